@@ -1,0 +1,82 @@
+"""torchtpu: ordinary PyTorch on XLA devices (TPU, GPU or CPU) through JAX.
+
+Importing it (or just ``import torch``, through torch's backend autoload) makes
+``"tpu"`` a torch device::
+
+    import torch
+    x = torch.randn(4, 4, device="tpu")
+    print((x @ x).cpu())
+
+    model = MyModel().to("tpu")            # or torchtpu.to_tpu(model)
+    torch.tpu.set_eager_mode("debug")      # errors point at your line
+"""
+
+from __future__ import annotations
+
+import sys
+
+import optree
+import torch
+
+from torchtpu import config, device
+from torchtpu.fallback import TPUFallbackWarning
+from torchtpu.counters import metrics, metrics_report, reset_metrics
+from torchtpu.modes import EagerMode, set_eager_mode
+from torchtpu.matmul_precision import Precision, precision
+from torchtpu.tensor import TPUTensor
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "EagerMode",
+    "Precision",
+    "TPUFallbackWarning",
+    "TPUTensor",
+    "config",
+    "metrics",
+    "metrics_report",
+    "precision",
+    "reset_metrics",
+    "set_eager_mode",
+    "sync",
+    "to_tpu",
+]
+
+device.register()
+
+
+def _autoload() -> None:
+    """Entry point of the ``torch.backends`` group: importing this module registered the device."""
+
+
+def to_tpu(obj, device: str | int | torch.device = "tpu"):
+    """Move tensors, modules, and any pytree of them (lists, dicts, tuples, ...) to tpu.
+
+    Modules move in place, as ``module.to`` does; tensors are copied. Other leaves
+    are returned unchanged. Example::
+
+        batch = torchtpu.to_tpu({"x": torch.randn(8, 3), "y": torch.arange(8)})
+        model = torchtpu.to_tpu(model)
+    """
+    target = torch.device("tpu", device) if isinstance(device, int) else torch.device(device)
+    if target.type != "tpu":
+        raise ValueError(f"to_tpu: expected a tpu device, got {target}")
+
+    def move(leaf):
+        if isinstance(leaf, (torch.Tensor, torch.nn.Module)):
+            return leaf.to(target)
+        return leaf
+
+    return optree.tree_map(move, obj, none_is_leaf=True)
+
+
+def sync() -> None:
+    """Wait for every queued op to finish; raise any pending value check (e.g. an
+    index out of range) with the op and user line that caused it."""
+    from torchtpu import checks
+
+    checks.raise_pending()
+    if "jax" in sys.modules:  # no tpu tensor was ever made otherwise
+        import jax
+
+        jax.block_until_ready(jax.live_arrays())

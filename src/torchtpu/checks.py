@@ -1,0 +1,79 @@
+"""Checks that need values: an index out of range, a class label out of bounds.
+
+A lowering states such a check with `error_if`. The compiled op returns the check's
+flag with its results, and the dispatcher keeps the flag *pending* instead of waiting
+for it: like a device-side assert on a GPU, the error is raised at the next read of
+values (``.item()``, ``.cpu()``, ``print``, ``torch.tpu.synchronize()``), naming the op
+and the user's line that ran it. In Debug mode it is raised at once, by the op.
+A check is never dropped: the error is raised before any value computed after it can
+be read.
+"""
+
+from __future__ import annotations
+
+from torchtpu import config
+
+# Checks stated while the dispatcher traces a lowering: a stack of lists.
+_collecting: list[list] = []
+
+# (flag array, exception type, message) of ops that ran but were not checked yet.
+_pending: list[tuple] = []
+
+
+def error_if(condition, exc_type: type[Exception], message: str) -> None:
+    """Inside a lowering: raise ``exc_type(message)`` if ``condition`` holds."""
+    from torchtpu.runtime import jax
+
+    if isinstance(condition, jax().core.Tracer):
+        if not _collecting:
+            raise RuntimeError(
+                f"torchtpu internal error: a value check ({message}) was traced where "
+                "nothing collects it"
+            )
+        _collecting[-1].append((condition, exc_type, message))
+    elif bool(condition):
+        raise exc_type(message)
+
+
+class collect:
+    """Context manager: collect the checks stated while tracing a lowering."""
+
+    def __enter__(self) -> list:
+        self.checks = []
+        _collecting.append(self.checks)
+        return self.checks
+
+    def __exit__(self, *exc) -> None:
+        _collecting.pop()
+
+
+def defer(flags, infos, where: str) -> None:
+    """Keep checks of an op that ran; ``infos`` are (exc_type, message) per flag."""
+    for flag, (exc_type, message) in zip(flags, infos):
+        _pending.append((flag, exc_type, f"{message} ({where})"))
+    if len(_pending) >= config.max_pending_checks:
+        raise_pending()
+
+
+def raise_now(flags, infos, where: str) -> None:
+    """Check an op's flags at once (Debug mode)."""
+    from torchtpu.runtime import jax
+
+    values = jax().device_get(list(flags))
+    for value, (exc_type, message) in zip(values, infos):
+        if bool(value):
+            raise exc_type(f"{message} ({where})")
+
+
+def raise_pending() -> None:
+    """Raise the first failed pending check, if any; clear them all."""
+    if not _pending:
+        return
+    from torchtpu.runtime import jax
+
+    pending = list(_pending)
+    _pending.clear()
+    values = jax().device_get([flag for flag, _, _ in pending])
+    for value, (_, exc_type, message) in zip(values, pending):
+        if bool(value):
+            raise exc_type(message)

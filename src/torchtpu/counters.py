@@ -1,0 +1,62 @@
+"""Counters of everything that costs time: nothing slow is silent.
+
+`metrics()` returns a snapshot; `metrics_report()` formats it; `reset_metrics()`
+zeroes it. Counters are keyed by a category and a name, e.g.
+``("ops", "strict")``, ``("fallback", "aten.foo.default")``, ``("compiles", "op")``.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+
+_counts: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+
+
+def count(category: str, name: str, n: float = 1) -> None:
+    _counts[category][name] += n
+
+
+def metrics() -> dict[str, dict[str, float]]:
+    """A snapshot of all counters: ``{category: {name: value}}``.
+
+    Categories: ``ops`` (ops run, by eager mode), ``op_cache`` (hit/miss of the
+    per-op compiled functions), ``compiles`` (XLA compilations, by kind),
+    ``compile_seconds``, ``fallback`` (ops run on the CPU, by op),
+    ``decomposed`` (ops run through torch._decomp, by op), ``transfer_bytes``
+    (``to_device``/``to_host``).
+    """
+    return {category: dict(counter) for category, counter in _counts.items() if counter}
+
+
+def reset_metrics() -> None:
+    """Zero every counter."""
+    _counts.clear()
+
+
+def metrics_report() -> str:
+    """The counters as readable text, one section per category."""
+    snapshot = metrics()
+    if not snapshot:
+        return "torchtpu metrics: nothing recorded"
+    lines = ["torchtpu metrics"]
+    for category in sorted(snapshot):
+        lines.append(f"  {category}:")
+        for name, value in sorted(snapshot[category].items(), key=lambda kv: (-kv[1], kv[0])):
+            shown = f"{value:.3f}" if isinstance(value, float) and not value.is_integer() else f"{int(value)}"
+            lines.append(f"    {name:<48} {shown}")
+    return "\n".join(lines)
+
+
+class timer:
+    """Context manager adding the seconds spent inside to ``category/name``."""
+
+    def __init__(self, category: str, name: str):
+        self.category, self.name = category, name
+
+    def __enter__(self):
+        self.start = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        count(self.category, self.name, time.perf_counter() - self.start)

@@ -1,0 +1,253 @@
+"""The "tpu" device: PrivateUse1 registration, factory kernels, and ``torch.tpu``.
+
+`register()` runs when torchtpu is imported (also by ``import torch`` alone, through
+the ``torch.backends`` autoload entry point). It must stay cheap: nothing here
+imports JAX until a tpu tensor is made or a question about the hardware is asked.
+
+This module *is* ``torch.tpu``: the cuda-like device module.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import torch
+
+from torchtpu import modes, rng
+from torchtpu.modes import EagerMode, set_eager_mode
+from torchtpu.matmul_precision import Precision, precision
+
+__all__ = [
+    "EagerMode",
+    "Precision",
+    "current_device",
+    "device_count",
+    "eager_mode",
+    "get_device_name",
+    "get_device_properties",
+    "get_rng_state",
+    "initial_seed",
+    "is_available",
+    "manual_seed",
+    "manual_seed_all",
+    "precision",
+    "set_device",
+    "set_eager_mode",
+    "set_rng_state",
+    "synchronize",
+]
+
+_current_device = 0
+
+
+# -- the device module (torch.tpu) ------------------------------------------------------------
+
+
+def is_available() -> bool:
+    """True: JAX always has a backend (a TPU, a GPU, or the CPU)."""
+    return True
+
+
+def is_initialized() -> bool:
+    return True
+
+
+def _is_in_bad_fork() -> bool:
+    return False
+
+
+def device_count() -> int:
+    """How many devices JAX sees: ``tpu:0`` .. ``tpu:{n-1}``."""
+    from torchtpu.runtime import devices
+
+    return len(devices())
+
+
+def current_device() -> int:
+    return _current_device
+
+
+def set_device(device) -> None:
+    global _current_device
+    index = _index(device)
+    if not 0 <= index < device_count():
+        raise RuntimeError(f"tpu:{index} does not exist: {device_count()} device(s) available")
+    _current_device = index
+
+
+def _index(device) -> int:
+    if device is None:
+        return _current_device
+    if isinstance(device, int):
+        return device
+    device = torch.device(device)
+    if device.type != "tpu":
+        raise ValueError(f"expected a tpu device, got {device}")
+    return device.index if device.index is not None else _current_device
+
+
+def synchronize(device=None) -> None:
+    """Wait until every op on the device has finished (raises pending value checks)."""
+    from torchtpu import sync
+
+    sync()
+
+
+def get_device_name(device=None) -> str:
+    """The chip's name, e.g. "TPU v5 lite", "NVIDIA H100", or "cpu (XLA)"."""
+    from torchtpu.runtime import device_name
+
+    return device_name(_index(device))
+
+
+class _DeviceProperties(types.SimpleNamespace):
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{k}={v!r}" for k, v in vars(self).items())
+        return f"_TPUDeviceProperties({fields})"
+
+
+def get_device_properties(device=None) -> _DeviceProperties:
+    """Name, platform, kind and (where JAX reports it) memory of a device."""
+    from torchtpu.runtime import device as jax_device
+    from torchtpu.runtime import device_name
+
+    index = _index(device)
+    dev = jax_device(index)
+    stats = dev.memory_stats() if hasattr(dev, "memory_stats") else None
+    return _DeviceProperties(
+        name=device_name(index),
+        index=index,
+        platform=dev.platform,
+        device_kind=dev.device_kind,
+        total_memory=(stats or {}).get("bytes_limit", 0),
+    )
+
+
+def manual_seed(seed) -> None:
+    rng.manual_seed(seed, _current_device)
+
+
+def manual_seed_all(seed) -> None:
+    rng.manual_seed_all(seed)
+
+
+def seed() -> None:
+    manual_seed(torch.initial_seed())
+
+
+def seed_all() -> None:
+    manual_seed_all(torch.initial_seed())
+
+
+def initial_seed() -> int:
+    return rng.initial_seed(_current_device)
+
+
+def get_rng_state(device="tpu") -> torch.Tensor:
+    return rng.get_state(_index(device))
+
+
+def set_rng_state(new_state: torch.Tensor, device="tpu") -> None:
+    rng.set_state(new_state, _index(device))
+
+
+def get_rng_state_all() -> list[torch.Tensor]:
+    return [rng.get_state(i) for i in range(device_count())]
+
+
+def set_rng_state_all(new_states) -> None:
+    for i, state in enumerate(new_states):
+        rng.set_state(state, i)
+
+
+def get_amp_supported_dtype() -> list[torch.dtype]:
+    return [torch.bfloat16, torch.float16]
+
+
+def is_bf16_supported(including_emulation: bool = True) -> bool:
+    return True
+
+
+class _DeviceModule(types.ModuleType):
+    """Lets ``torch.tpu.eager_mode`` be read and assigned like an attribute."""
+
+    @property
+    def eager_mode(self) -> EagerMode:
+        return modes.current()
+
+    @eager_mode.setter
+    def eager_mode(self, mode) -> None:
+        modes.set_current(mode)
+
+
+sys.modules[__name__].__class__ = _DeviceModule
+
+
+# -- registration ---------------------------------------------------------------------------
+
+# Factory ops whose PrivateUse1 kernel runs our lowering directly (instead of torch's
+# "allocate, then fill in place" composite).
+_FACTORIES = (
+    "zeros",
+    "ones",
+    "full",
+    "scalar_tensor",
+    "arange",
+    "arange.start",
+    "arange.start_step",
+    "eye",
+    "eye.m",
+    "linspace",
+    "logspace",
+    "randperm",
+    "randperm.generator",
+    "tril_indices",
+    "triu_indices",
+)
+
+_library = None
+
+
+def _empty_memory_format(size, *, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None):
+    return _empty(size, None, dtype, device, memory_format)
+
+
+def _empty_strided(size, stride, *, dtype=None, layout=None, device=None, pin_memory=None):
+    return _empty(size, stride, dtype, device, None)
+
+
+def _empty(size, stride, dtype, device, memory_format):
+    from torchtpu.tensor import empty_tensor
+
+    dtype = dtype or torch.get_default_dtype()
+    if stride is None:
+        meta = torch.empty(size, dtype=dtype, device="meta", memory_format=memory_format or torch.contiguous_format)
+        stride = meta.stride()
+    return empty_tensor(tuple(size), tuple(stride), dtype, _index(device))
+
+
+def _factory_kernel(op):
+    def kernel(*args, **kwargs):
+        from torchtpu.dispatch import dispatch
+
+        return dispatch(op, args, kwargs)
+
+    return kernel
+
+
+def register() -> None:
+    """Make "tpu" a torch device backed by torchtpu (idempotent)."""
+    global _library
+    if _library is not None:
+        return
+    from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
+
+    _setup_privateuseone_for_python_backend("tpu", backend_module=sys.modules[__name__])
+    _library = torch.library.Library("aten", "IMPL")
+    _library.impl("empty.memory_format", _empty_memory_format, "PrivateUse1")
+    _library.impl("empty_strided", _empty_strided, "PrivateUse1")
+    for name in _FACTORIES:
+        packet, _, overload = name.partition(".")
+        op = getattr(getattr(torch.ops.aten, packet), overload or "default")
+        _library.impl(name, _factory_kernel(op), "PrivateUse1")

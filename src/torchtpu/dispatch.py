@@ -1,0 +1,338 @@
+"""The body of ``TPUTensor.__torch_dispatch__``: choose how an aten op runs, and run it.
+
+For each op overload, once, a *handler* is chosen (`_choose`), in this order:
+
+1. a special handler: moving data between devices, reading a value, allocation,
+   metadata-only ops (``detach``, ``alias``) -- the few ops that are not computations;
+2. the op's lowering: a view op makes a tensor that shares storage (`_view`),
+   any other op runs as a compiled plan (plans.py);
+3. for a mutating op (``add_``, ``add.out``, ``_foreach_mul_``), the lowering of its
+   functional variant, with the write-back compiled into the same function;
+4. a decomposition from ``torch._decomp`` into ops that have lowerings;
+5. for a mutating op, its functional variant's decomposition followed by ``copy_``;
+6. the CPU fallback (fallback.py): counted, warned once per op, or an error.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from torchtpu import counters, modes, plans, schema
+from torchtpu.errors import name_op
+from torchtpu.fallback import run_on_cpu
+from torchtpu.ops import TABLE
+from torchtpu.plans import OutMeta, materialize, meta_values, wrap
+from torchtpu.storage import ViewStep
+from torchtpu.tensor import TPUTensor
+from torchtpu.transfer import to_device, to_host
+
+aten = torch.ops.aten
+
+_HANDLERS: dict = {}
+
+
+def dispatch(func, args, kwargs):
+    handler = _HANDLERS.get(func)
+    if handler is None:
+        handler = _HANDLERS[func] = _choose(func)
+    return handler(func, args, kwargs)
+
+
+def _choose(func):
+    special = _SPECIAL.get(func)
+    if special is not None:
+        return special
+    info = schema.info(func)
+    lowering = TABLE.get(func)
+    if lowering is not None:
+        if lowering.view:
+            return _view_handler(info, lowering)
+        return _lowered_handler(info, lowering)
+    functional = schema.functional_variant(func)
+    if functional is not None and functional in TABLE and not TABLE[functional].view:
+        return _lowered_handler(info, TABLE[functional])
+    decomposition = _decompositions().get(func)
+    if decomposition is not None:
+        return _decomposed_handler(decomposition)
+    if functional is not None:
+        decomposition = _decompositions().get(functional)
+        if decomposition is not None or functional in _SPECIAL:
+            return _functional_then_copy_handler(info, functional)
+    return run_on_cpu
+
+
+# -- computing -----------------------------------------------------------------------------
+
+
+def _lowered_handler(info, lowering):
+    op = info.op
+
+    def handler(func, args, kwargs):
+        mode = modes.current()
+        counters.count("ops", mode.value)
+        values = info.bind(args, kwargs)
+        return plans.run(op, lowering, info, values, debug=mode is modes.EagerMode.DEFER_NEVER_AND_LAUNCH_BLOCKING)
+
+    return handler
+
+
+_decomposition_table = None
+
+
+def _decompositions() -> dict:
+    global _decomposition_table
+    if _decomposition_table is None:
+        from torch._decomp import core_aten_decompositions, decomposition_table
+
+        table = dict(decomposition_table)
+        table.update(core_aten_decompositions())
+        _decomposition_table = table
+    return _decomposition_table
+
+
+def _decomposed_handler(decomposition):
+    def handler(func, args, kwargs):
+        counters.count("decomposed", str(func))
+        return decomposition(*args, **kwargs)
+
+    return handler
+
+
+def _functional_then_copy_handler(info, functional):
+    """Mutating op without a fused lowering: run its functional variant, then copy_."""
+
+    def handler(func, args, kwargs):
+        values = info.bind(args, kwargs)
+        functional_info = schema.info(functional)
+        names = [a.name for a in functional_info.args]
+        by_name = {a.name: v for a, v in zip(info.args, values)}
+        fargs, fkwargs = functional_info.split([by_name[n] for n in names])
+        result = dispatch(functional, tuple(fargs), fkwargs)
+        produced = list(result) if isinstance(result, (tuple, list)) else [result]
+        n_fresh = sum(1 for r in info.returns if r.aliases is None)
+        fresh, new_values = produced[:n_fresh], produced[n_fresh:]
+        targets = []
+        for i in info.mutable:
+            v = values[i]
+            if isinstance(v, (list, tuple)):
+                targets.extend(v)
+            elif v is not None:
+                targets.append(v)
+        flat_new = []
+        for v in new_values:
+            flat_new.extend(v if isinstance(v, (list, tuple)) else [v])
+        for target, value in zip(targets, flat_new):
+            aten.copy_.default(target, value)
+        out = []
+        fresh_iter = iter(fresh)
+        for r in info.returns:
+            out.append(values[r.aliases] if r.aliases is not None else next(fresh_iter))
+        return out[0] if len(out) == 1 else (tuple(out) if out else None)
+
+    return handler
+
+
+# -- views ------------------------------------------------------------------------------------
+
+_VIEW_PLANS: dict = {}
+
+
+def _view_handler(info, lowering):
+    op = info.op
+
+    def handler(func, args, kwargs):
+        values = info.bind(args, kwargs)
+        x = values[0]
+        static = tuple(plans._hashable(v) for v in values[1:])
+        key = (op, x._meta, static)
+        views = _VIEW_PLANS.get(key)
+        if views is None:
+            views = _VIEW_PLANS[key] = _plan_view(op, info, x, values, static)
+        outs = [_make_view(x, *view) for view in views]
+        return outs if info.returns[0].is_list else outs[0]
+
+    return handler
+
+
+def _plan_view(op, info, x, values, static) -> list:
+    """[(restart, step, OutMeta, storage offset)] for each output of a view op."""
+    if op is aten.as_strided.default:
+        return [_plan_as_strided(op, x, static)]
+    sig = plans.Signature(info, values, frozenset(a.name for a in info.args))
+    args, kwargs = info.split(meta_values(info, sig))
+    try:
+        out = op(*args, **kwargs)
+    except Exception as exc:
+        raise name_op(exc, op) from None
+    if isinstance(out, (list, tuple)):
+        return [(False, ViewStep(op, static, i), _out_meta(o), o.storage_offset()) for i, o in enumerate(out)]
+    return [(False, ViewStep(op, static, None), _out_meta(out), out.storage_offset())]
+
+
+def _plan_as_strided(op, x, static):
+    """as_strided addresses the storage, so its chain restarts at the base
+    (Note [Storage strides])."""
+    s = x._storage
+    if x.dtype != s.dtype:
+        raise NotImplementedError(f"{op}: as_strided of a tensor viewed as another dtype")
+    size, stride, offset = static[0], static[1], static[2]
+    if offset is None:
+        offset = x.storage_offset()
+    numel = 1
+    for n in s.shape:
+        numel *= n
+    extent = 1 + sum((n - 1) * st for n, st in zip(s.shape, s.strides) if n > 0) if numel else 0
+    try:
+        out = torch.empty(extent, dtype=s.dtype, device="meta").as_strided(size, stride, offset)
+    except Exception as exc:
+        raise name_op(exc, op) from None
+    step = ViewStep(op, (tuple(size), tuple(stride), offset, s.strides), None)
+    return (True, step, _out_meta(out), offset)
+
+
+def _out_meta(t) -> OutMeta:
+    return OutMeta(tuple(t.shape), tuple(t.stride()), t.dtype)
+
+
+def _make_view(x: TPUTensor, restart: bool, step, meta: OutMeta, offset: int) -> TPUTensor:
+    chain = (step,) if restart else x._chain + (step,)
+    return TPUTensor(x._storage, chain, meta.shape, meta.strides, offset, meta.dtype)
+
+
+def _same_storage(func, args, kwargs):
+    """detach, alias, lift_fresh: a new tensor object on the same data, same view."""
+    x = args[0]
+    return TPUTensor(x._storage, x._chain, *x._meta[:4])
+
+
+# -- data movement and reading values ------------------------------------------------------
+
+def _to_copy(func, args, kwargs):
+    x = args[0]
+    device = kwargs.get("device")
+    if device is not None and torch.device(device).type == "cpu":
+        host = to_host(materialize(x))
+        dtype = kwargs.get("dtype") or x.dtype
+        memory_format = kwargs.get("memory_format")
+        out = host.to(dtype=dtype)
+        if memory_format not in (None, torch.preserve_format):
+            out = out.contiguous(memory_format=memory_format)
+        elif not x.is_contiguous():
+            out = torch.empty_strided(x.shape, x.stride(), dtype=dtype).copy_(out)
+        return out
+    if device is not None:
+        target = torch.device(device)
+        index = target.index if target.index is not None else _current_device()
+        if index != x._storage.device_index:
+            moved = _move(x, index)
+            kwargs = {k: v for k, v in kwargs.items() if k != "device"}
+            return dispatch(func, (moved,) + tuple(args[1:]), kwargs)
+    return _lowered_handler(schema.info(func), TABLE[func])(func, args, kwargs)
+
+
+def _move(x: TPUTensor, index: int) -> TPUTensor:
+    from torchtpu.runtime import device as jax_device
+    from torchtpu.runtime import jax
+
+    array = jax().device_put(materialize(x), jax_device(index))
+    meta = OutMeta(tuple(x.shape), plans._contiguous(x.shape), x.dtype)
+    return wrap(array, meta, index)
+
+
+def _current_device() -> int:
+    from torchtpu import device
+
+    return device.current_device()
+
+
+def from_cpu(t: torch.Tensor, index: int) -> TPUTensor:
+    """A new TPUTensor holding a copy of CPU tensor ``t``."""
+    array = to_device(t, index)
+    meta = OutMeta(tuple(t.shape), plans._contiguous(t.shape), t.dtype)
+    return wrap(array, meta, index)
+
+
+def _copy_(func, args, kwargs):
+    dst, src = args[0], args[1]
+    if not isinstance(dst, TPUTensor):
+        # tpu -> cpu
+        host = to_host(materialize(src))
+        return dst.copy_(host)
+    if not isinstance(src, TPUTensor):
+        src = from_cpu(src, dst._storage.device_index)
+    elif src._storage.device_index != dst._storage.device_index:
+        src = _move(src, dst._storage.device_index)
+    info = schema.info(func)
+    return _lowered_handler(info, TABLE[aten.copy.default])(func, (dst, src) + tuple(args[2:]), kwargs)
+
+
+def _local_scalar_dense(func, args, kwargs):
+    return to_host(materialize(args[0])).item()
+
+
+def _allocate(func, args, kwargs):
+    """empty_like and friends: an uninitialised storage (reads as zeros)."""
+    info = schema.info(func)
+    values = info.bind(args, kwargs)
+    sig = plans.Signature(info, values, frozenset(a.name for a in info.args))
+    margs = meta_values(info, sig)
+    a, k = info.split(margs)
+    try:
+        out = func(*a, **k)
+    except Exception as exc:
+        raise name_op(exc, func) from None
+    device = sig.device
+    explicit = kwargs.get("device")
+    if explicit is not None:
+        explicit = torch.device(explicit)
+        if explicit.type == "cpu":
+            return run_on_cpu(func, args, kwargs)
+        device = explicit.index if explicit.index is not None else device
+    meta = OutMeta(tuple(out.shape), tuple(out.stride()), out.dtype)
+    return wrap(None, meta, device if device is not None else _current_device())
+
+
+def _resize_(func, args, kwargs):
+    x, size = args[0], args[1]
+    if tuple(x.shape) == tuple(size):
+        return x
+    raise RuntimeError(
+        f"{func}: cannot resize a tpu tensor from {tuple(x.shape)} to {tuple(size)}; "
+        "tpu tensors have fixed shapes (pass an out= tensor of the right shape)"
+    )
+
+
+def _no_op_false(func, args, kwargs):
+    return False
+
+
+def _identity(func, args, kwargs):
+    return args[0]
+
+
+def _set_source_tensor(func, args, kwargs):
+    dst, src = args[0], args[1]
+    if not isinstance(src, TPUTensor) or tuple(dst.shape) != tuple(src.shape) or dst.dtype != src.dtype:
+        raise RuntimeError(f"{func}: tpu tensors can only be set_ to a tpu tensor of the same shape and dtype")
+    dst._storage, dst._chain, dst._meta = src._storage, src._chain, src._meta
+    return dst
+
+
+_SPECIAL = {
+    aten._to_copy.default: _to_copy,
+    aten.copy_.default: _copy_,
+    aten._local_scalar_dense.default: _local_scalar_dense,
+    aten.detach.default: _same_storage,
+    aten.alias.default: _same_storage,
+    aten.lift_fresh.default: _same_storage,
+    aten.empty_like.default: _allocate,
+    aten.new_empty.default: _allocate,
+    aten.new_empty_strided.default: _allocate,
+    aten.empty_strided.default: _allocate,
+    aten.empty.memory_format: _allocate,
+    aten.resize_.default: _resize_,
+    aten.is_pinned.default: _no_op_false,
+    aten._pin_memory.default: _identity,
+    aten.record_stream.default: lambda func, args, kwargs: None,
+    aten.set_.source_Tensor: _set_source_tensor,
+}

@@ -1,0 +1,59 @@
+"""How errors name the aten op and point at the user's line."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
+_LIBRARY_DIRS = (_PACKAGE_DIR + os.sep, _TORCH_DIR + os.sep)
+
+
+def _is_library(filename: str) -> bool:
+    return filename.startswith(_LIBRARY_DIRS) or "/site-packages/jax" in filename or filename.startswith("<frozen")
+
+
+def user_frame() -> str:
+    """``file:line in function`` of the innermost caller outside torch, torchtpu and JAX."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        if not _is_library(os.path.abspath(filename) if not filename.startswith("<") else filename):
+            return f"{filename}:{frame.f_lineno} in {frame.f_code.co_name}"
+        frame = frame.f_back
+    return "<unknown>"
+
+
+def describe(values) -> str:
+    """Shapes and dtypes of an op's tensor arguments, e.g. ``(f32[2, 3], f32[4, 5], 1)``."""
+
+    def one(v):
+        if isinstance(v, torch.Tensor):
+            where = "" if v.device.type == "tpu" else f"@{v.device}"
+            return f"{str(v.dtype).replace('torch.', '')}{list(v.shape)}{where}"
+        if isinstance(v, (list, tuple)):
+            return "[" + ", ".join(one(x) for x in v) + "]"
+        return repr(v)
+
+    return "(" + ", ".join(one(v) for v in values) + ")"
+
+
+def name_op(exc: BaseException, op) -> BaseException:
+    """Prefix the exception's message with the op's name, keeping its type."""
+    prefix = f"{op}: "
+    if exc.args and isinstance(exc.args[0], str):
+        if not exc.args[0].startswith(prefix):
+            exc.args = (prefix + exc.args[0],) + exc.args[1:]
+    else:
+        exc.args = (prefix.rstrip(": "),) + exc.args
+    return exc
+
+
+def add_context(exc: BaseException, op, values) -> BaseException:
+    """Debug mode: note the op, its inputs and the user's line on the exception."""
+    name_op(exc, op)
+    exc.add_note(f"torchtpu: raised by {op}{describe(values)} called from {user_frame()}")
+    return exc

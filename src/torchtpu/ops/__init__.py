@@ -1,0 +1,25 @@
+"""The lowering table (registry.py) and the op families that fill it.
+
+Importing this package imports JAX (configured by runtime.jax() first, so x64 is on
+before any lowering touches jax.numpy).
+"""
+
+from torchtpu.runtime import jax as _configure_jax
+
+_configure_jax()
+
+from torchtpu.ops.registry import TABLE, Lowering, aten, lowers  # noqa: E402
+from torchtpu.ops import (  # noqa: E402, F401  (each module registers its lowerings)
+    elementwise,
+    factories,
+    foreach,
+    indexing,
+    linalg,
+    nn,
+    random,
+    reduction,
+    shape,
+    views,
+)
+
+__all__ = ["TABLE", "Lowering", "aten", "lowers"]

@@ -1,0 +1,669 @@
+"""Neural-network ops: convolution, pooling, normalisation, embedding, softmax, losses.
+
+Where torch has a dedicated backward op, it is lowered as the JAX ``vjp`` of the
+forward lowering, so forward and backward cannot disagree.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from torchtpu.checks import error_if
+from torchtpu.ops.registry import aten, lowers
+from torchtpu.ops.util import canonical_dim
+
+_LOW_FLOATS = (jnp.float16, jnp.bfloat16)
+
+
+def _opmath(x):
+    return x.astype(jnp.float32) if x.dtype in _LOW_FLOATS else x
+
+
+def _tuple(value, n):
+    if isinstance(value, int):
+        return (value,) * n
+    value = tuple(value)
+    return value * n if len(value) == 1 else value
+
+
+# -- convolution --------------------------------------------------------------------------------
+
+
+def _dimension_numbers(n):
+    spatial = "DHW"[-n:] if n <= 3 else None
+    return (f"NC{spatial}", f"OI{spatial}", f"NC{spatial}")
+
+
+def _conv(input, weight, stride, padding, dilation, transposed, output_padding, groups, precision):
+    n = input.ndim - 2
+    stride, padding, dilation = _tuple(stride, n), _tuple(padding, n), _tuple(dilation, n)
+    numbers = _dimension_numbers(n)
+    low = input.dtype in _LOW_FLOATS
+    kwargs = dict(precision=precision, preferred_element_type=jnp.float32 if low else None)
+    if not transposed:
+        out = lax.conv_general_dilated(
+            input,
+            weight,
+            window_strides=stride,
+            padding=[(p, p) for p in padding],
+            rhs_dilation=dilation,
+            dimension_numbers=numbers,
+            feature_group_count=groups,
+            **kwargs,
+        )
+        return out.astype(input.dtype) if low else out
+    # A transposed convolution is the gradient of a convolution: dilate the input by
+    # the stride and convolve with the flipped, transposed kernel.
+    output_padding = _tuple(output_padding, n)
+    in_channels = weight.shape[0]
+    k = weight.shape[2:]
+    w = weight.reshape(groups, in_channels // groups, weight.shape[1], *k)
+    w = jnp.swapaxes(w, 1, 2).reshape(groups * weight.shape[1], in_channels // groups, *k)
+    w = jnp.flip(w, axis=tuple(range(2, 2 + n)))
+    pads = [
+        (dilation[i] * (k[i] - 1) - padding[i], dilation[i] * (k[i] - 1) - padding[i] + output_padding[i])
+        for i in range(n)
+    ]
+    out = lax.conv_general_dilated(
+        input,
+        w,
+        window_strides=(1,) * n,
+        padding=pads,
+        lhs_dilation=stride,
+        rhs_dilation=dilation,
+        dimension_numbers=numbers,
+        feature_group_count=groups,
+        **kwargs,
+    )
+    return out.astype(input.dtype) if low else out
+
+
+def _bias_shape(bias, ndim):
+    return bias.reshape((1, -1) + (1,) * (ndim - 2))
+
+
+@lowers(aten.convolution.default, precision=True)
+def convolution(input, weight, bias, stride, padding, dilation, transposed, output_padding, groups, *, precision):
+    out = _conv(input, weight, stride, padding, dilation, transposed, output_padding, groups, precision)
+    if bias is not None:
+        out = out + _bias_shape(bias, out.ndim).astype(out.dtype)
+    return out
+
+
+@lowers(aten.convolution_backward.default, precision=True)
+def convolution_backward(
+    grad_output, input, weight, bias_sizes, stride, padding, dilation, transposed, output_padding, groups, output_mask, *, precision
+):
+    def forward(x, w):
+        return _conv(x, w, stride, padding, dilation, transposed, output_padding, groups, precision)
+
+    _, vjp = jax.vjp(forward, input, weight)
+    grad_input, grad_weight = vjp(grad_output.astype(input.dtype))
+    grad_bias = jnp.sum(_opmath(grad_output), axis=(0,) + tuple(range(2, grad_output.ndim))).astype(grad_output.dtype)
+    return grad_input, grad_weight, grad_bias
+
+
+# -- pooling ------------------------------------------------------------------------------------
+
+
+def _pool_output_size(size, k, s, p, d, ceil_mode):
+    numerator = size + 2 * p - d * (k - 1) - 1 + (s - 1 if ceil_mode else 0)
+    out = numerator // s + 1
+    if ceil_mode and (out - 1) * s >= size + p:
+        out -= 1
+    return out
+
+
+def _windows(x, kernel, stride, padding, dilation, ceil_mode, pad_value):
+    """All window positions as one stacked axis: (prod(kernel), N, C, *out)."""
+    n = len(kernel)
+    spatial = x.shape[-n:]
+    out = [_pool_output_size(spatial[i], kernel[i], stride[i], padding[i], dilation[i], ceil_mode) for i in range(n)]
+    pads = [(0, 0)] * (x.ndim - n)
+    for i in range(n):
+        needed = (out[i] - 1) * stride[i] + dilation[i] * (kernel[i] - 1) + 1
+        pads.append((padding[i], max(needed - spatial[i] - padding[i], padding[i])))
+    padded = jnp.pad(x, pads, constant_values=pad_value)
+    views = []
+    for offsets in itertools.product(*(range(k) for k in kernel)):
+        index = [slice(None)] * (x.ndim - n)
+        for i, o in enumerate(offsets):
+            start = o * dilation[i]
+            index.append(slice(start, start + (out[i] - 1) * stride[i] + 1, stride[i]))
+        views.append(padded[tuple(index)])
+    return jnp.stack(views), out
+
+
+def _pool_args(kernel_size, stride, padding, dilation, n):
+    kernel = _tuple(kernel_size, n)
+    stride = _tuple(stride, n) if stride else kernel
+    return kernel, stride, _tuple(padding, n), _tuple(dilation, n)
+
+
+def _max_pool(self, kernel_size, stride, padding, dilation, ceil_mode, n):
+    kernel, stride, padding, dilation = _pool_args(kernel_size, stride, padding, dilation, n)
+    low = -jnp.inf if jnp.issubdtype(self.dtype, jnp.floating) else jnp.iinfo(self.dtype).min
+    windows, out = _windows(self, kernel, stride, padding, dilation, ceil_mode, low)
+    # NaN wins, as in torch.
+    nan = jnp.isnan(windows) if jnp.issubdtype(self.dtype, jnp.floating) else None
+    keyed = jnp.where(nan, jnp.inf, windows) if nan is not None else windows
+    which = jnp.argmax(keyed, axis=0)
+    values = jnp.take_along_axis(windows, which[None], axis=0)[0]
+    # Flat index into the input's spatial dims of the chosen element.
+    spatial = self.shape[-n:]
+    offsets = jnp.asarray(list(itertools.product(*(range(k) for k in kernel))), jnp.int64)  # (K, n)
+    chosen = offsets[which]  # (..., *out, n)
+    flat = jnp.zeros(which.shape, jnp.int64)
+    for i in range(n):
+        shape = [1] * which.ndim
+        shape[which.ndim - n + i] = out[i]
+        base = (jnp.arange(out[i], dtype=jnp.int64) * stride[i] - padding[i]).reshape(shape)
+        position = base + chosen[..., i] * dilation[i]
+        flat = flat * spatial[i] + position
+    return values, flat
+
+
+@lowers(aten.max_pool2d_with_indices.default)
+def max_pool2d_with_indices(self, kernel_size, stride=(), padding=0, dilation=1, ceil_mode=False):
+    return _max_pool(self, kernel_size, stride, padding, dilation, ceil_mode, 2)
+
+
+@lowers(aten.max_pool3d_with_indices.default)
+def max_pool3d_with_indices(self, kernel_size, stride=(), padding=0, dilation=1, ceil_mode=False):
+    return _max_pool(self, kernel_size, stride, padding, dilation, ceil_mode, 3)
+
+
+def _max_pool_backward(grad_output, self, indices, n):
+    lead = self.shape[:-n]
+    size = math.prod(self.shape[-n:])
+    grad = jnp.zeros(lead + (size,), grad_output.dtype)
+    g = grad_output.reshape(lead + (-1,))
+    idx = indices.reshape(lead + (-1,))
+    grad = jax.vmap(lambda z, i, v: z.at[i].add(v))(grad.reshape(-1, size), idx.reshape(-1, idx.shape[-1]), g.reshape(-1, g.shape[-1]))
+    return grad.reshape(self.shape)
+
+
+@lowers(aten.max_pool2d_with_indices_backward.default)
+def max_pool2d_with_indices_backward(grad_output, self, kernel_size, stride, padding, dilation, ceil_mode, indices):
+    return _max_pool_backward(grad_output, self, indices, 2)
+
+
+@lowers(aten.max_pool3d_with_indices_backward.default)
+def max_pool3d_with_indices_backward(grad_output, self, kernel_size, stride, padding, dilation, ceil_mode, indices):
+    return _max_pool_backward(grad_output, self, indices, 3)
+
+
+def _avg_pool(self, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override, n):
+    kernel, stride, padding, dilation = _pool_args(kernel_size, stride, padding, 1, n)
+    x = _opmath(self)
+    windows, out = _windows(x, kernel, stride, padding, dilation, ceil_mode, 0)
+    total = jnp.sum(windows, axis=0)
+    if divisor_override:
+        return (total / divisor_override).astype(self.dtype)
+    count = _window_count(self.shape[-n:], kernel, stride, padding, out, count_include_pad, x.dtype)
+    return (total / count).astype(self.dtype)
+
+
+def _window_count(spatial, kernel, stride, padding, out, include_pad, dtype):
+    """Elements each window averages: padding counts if ``include_pad``; the
+    overhang of ceil_mode never does."""
+    n = len(kernel)
+    ones = jnp.ones(spatial, dtype)
+    padded = jnp.pad(ones, [(p, p) for p in padding], constant_values=1 if include_pad else 0)
+    pads = []
+    for i in range(n):
+        needed = (out[i] - 1) * stride[i] + kernel[i]
+        pads.append((0, max(needed - padded.shape[i], 0)))
+    padded = jnp.pad(padded, pads)
+    views = []
+    for offsets in itertools.product(*(range(k) for k in kernel)):
+        index = tuple(slice(o, o + (out[i] - 1) * stride[i] + 1, stride[i]) for i, o in enumerate(offsets))
+        views.append(padded[index])
+    return jnp.sum(jnp.stack(views), axis=0)
+
+
+@lowers(aten.avg_pool2d.default)
+def avg_pool2d(self, kernel_size, stride=(), padding=0, ceil_mode=False, count_include_pad=True, divisor_override=None):
+    return _avg_pool(self, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override, 2)
+
+
+@lowers(aten.avg_pool3d.default)
+def avg_pool3d(self, kernel_size, stride=(), padding=0, ceil_mode=False, count_include_pad=True, divisor_override=None):
+    return _avg_pool(self, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override, 3)
+
+
+@lowers(aten.avg_pool2d_backward.default)
+def avg_pool2d_backward(grad_output, self, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override):
+    _, vjp = jax.vjp(lambda x: _avg_pool(x, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override, 2), self)
+    return vjp(grad_output)[0]
+
+
+@lowers(aten.avg_pool3d_backward.default)
+def avg_pool3d_backward(grad_output, self, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override):
+    _, vjp = jax.vjp(lambda x: _avg_pool(x, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override, 3), self)
+    return vjp(grad_output)[0]
+
+
+def _adaptive_matrix(size, out, dtype):
+    """(out, size) averaging weights of torch's adaptive bins."""
+    rows = []
+    for i in range(out):
+        start = (i * size) // out
+        end = -((-(i + 1) * size) // out)
+        row = [0.0] * size
+        for j in range(start, end):
+            row[j] = 1.0 / (end - start)
+        rows.append(row)
+    return jnp.asarray(rows, dtype)
+
+
+def _adaptive_avg_pool(self, output_size, n):
+    output_size = _tuple(output_size, n)
+    x = _opmath(self)
+    for i in range(n):
+        axis = self.ndim - n + i
+        m = _adaptive_matrix(self.shape[axis], output_size[i], x.dtype)
+        x = jnp.moveaxis(jnp.tensordot(x, m, axes=([axis], [1]), precision=lax.Precision.HIGHEST), -1, axis)
+    return x.astype(self.dtype)
+
+
+@lowers(aten._adaptive_avg_pool2d.default)
+def _adaptive_avg_pool2d(self, output_size):
+    return _adaptive_avg_pool(self, output_size, 2)
+
+
+@lowers(aten._adaptive_avg_pool3d.default)
+def _adaptive_avg_pool3d(self, output_size):
+    return _adaptive_avg_pool(self, output_size, 3)
+
+
+@lowers(aten._adaptive_avg_pool2d_backward.default)
+def _adaptive_avg_pool2d_backward(grad_output, self):
+    _, vjp = jax.vjp(lambda x: _adaptive_avg_pool(x, grad_output.shape[-2:], 2), self)
+    return vjp(grad_output)[0]
+
+
+@lowers(aten._adaptive_avg_pool3d_backward.default)
+def _adaptive_avg_pool3d_backward(grad_output, self):
+    _, vjp = jax.vjp(lambda x: _adaptive_avg_pool(x, grad_output.shape[-3:], 3), self)
+    return vjp(grad_output)[0]
+
+
+# -- normalisation ------------------------------------------------------------------------------
+
+
+def _batch_norm_train(input, weight, bias, eps):
+    x = _opmath(input)
+    axes = (0,) + tuple(range(2, input.ndim))
+    mean = jnp.mean(x, axis=axes)
+    var = jnp.mean(jnp.square(x - _bias_shape(mean, x.ndim)), axis=axes)
+    invstd = lax.rsqrt(var + eps)
+    out = _normalise(x, mean, invstd, weight, bias).astype(input.dtype)
+    return out, mean, invstd, var
+
+
+def _normalise(x, mean, invstd, weight, bias):
+    out = (x - _bias_shape(mean, x.ndim)) * _bias_shape(invstd, x.ndim)
+    if weight is not None:
+        out = out * _bias_shape(weight.astype(out.dtype), x.ndim)
+    if bias is not None:
+        out = out + _bias_shape(bias.astype(out.dtype), x.ndim)
+    return out
+
+
+def _updated_stats(input, mean, var, running_mean, running_var, momentum):
+    n = input.size // input.shape[1]
+    unbiased = var * (n / max(n - 1, 1))
+    new_mean = (1 - momentum) * running_mean + momentum * mean.astype(running_mean.dtype)
+    new_var = (1 - momentum) * running_var + momentum * unbiased.astype(running_var.dtype)
+    return new_mean, new_var
+
+
+def _batch_norm_eval(input, weight, bias, running_mean, running_var, eps):
+    x = _opmath(input)
+    mean = _opmath(running_mean)
+    invstd = lax.rsqrt(_opmath(running_var) + eps)
+    return _normalise(x, mean, invstd, weight, bias).astype(input.dtype), jnp.zeros((0,), x.dtype), jnp.zeros((0,), x.dtype)
+
+
+@lowers(aten._native_batch_norm_legit_functional.default)
+def _native_batch_norm_legit_functional(input, weight, bias, running_mean, running_var, training, momentum, eps):
+    if not training:
+        out, a, b = _batch_norm_eval(input, weight, bias, running_mean, running_var, eps)
+        return out, a, b, running_mean, running_var
+    out, mean, invstd, var = _batch_norm_train(input, weight, bias, eps)
+    new_mean, new_var = _updated_stats(input, mean, var, running_mean, running_var, momentum)
+    return out, mean, invstd, new_mean, new_var
+
+
+@lowers(aten._native_batch_norm_legit.no_stats)
+def _native_batch_norm_legit_no_stats(input, weight, bias, training, momentum, eps):
+    out, mean, invstd, _ = _batch_norm_train(input, weight, bias, eps)
+    return out, mean, invstd
+
+
+@lowers(aten._native_batch_norm_legit_no_training.default)
+def _native_batch_norm_legit_no_training(input, weight, bias, running_mean, running_var, momentum, eps):
+    return _batch_norm_eval(input, weight, bias, running_mean, running_var, eps)
+
+
+@lowers(aten.native_batch_norm.default)
+def native_batch_norm(input, weight, bias, running_mean, running_var, training, momentum, eps):
+    if training or running_mean is None:
+        out, mean, invstd, _ = _batch_norm_train(input, weight, bias, eps)
+        return out, mean, invstd
+    return _batch_norm_eval(input, weight, bias, running_mean, running_var, eps)
+
+
+@lowers(aten._batch_norm_with_update_functional.default)
+def _batch_norm_with_update_functional(input, weight, bias, running_mean, running_var, momentum, eps):
+    out, mean, invstd, var = _batch_norm_train(input, weight, bias, eps)
+    new_mean, new_var = _updated_stats(input, mean, var, running_mean, running_var, momentum)
+    return out, mean, invstd, jnp.zeros((0,), jnp.uint8), new_mean, new_var
+
+
+@lowers(aten._batch_norm_no_update.default)
+def _batch_norm_no_update(input, weight, bias, running_mean, running_var, momentum, eps):
+    if running_mean is None:
+        out, mean, invstd, _ = _batch_norm_train(input, weight, bias, eps)
+        return out, mean, invstd, jnp.zeros((0,), jnp.uint8)
+    out, a, b = _batch_norm_eval(input, weight, bias, running_mean, running_var, eps)
+    return out, a, b, jnp.zeros((0,), jnp.uint8)
+
+
+def _normalisation_grads(g, xhat, invstd, w, axes):
+    """Gradient of ``w * xhat`` w.r.t. x, where ``xhat = (x - mean(x)) * invstd`` is
+    normalised over ``axes`` (mean and invstd broadcastable to x)."""
+    gw = g if w is None else g * w
+    mean_gw = jnp.mean(gw, axis=axes, keepdims=True)
+    mean_gw_xhat = jnp.mean(gw * xhat, axis=axes, keepdims=True)
+    return invstd * (gw - mean_gw - xhat * mean_gw_xhat)
+
+
+def _batch_norm_grads(grad_out, input, weight, running_mean, running_var, save_mean, save_invstd, train, eps):
+    x, g = _opmath(input), _opmath(grad_out)
+    axes = (0,) + tuple(range(2, x.ndim))
+    if train:
+        mean, invstd = _opmath(save_mean), _opmath(save_invstd)
+    else:
+        mean, invstd = _opmath(running_mean), lax.rsqrt(_opmath(running_var) + eps)
+    mean, invstd = _bias_shape(mean, x.ndim), _bias_shape(invstd, x.ndim)
+    w = None if weight is None else _bias_shape(_opmath(weight), x.ndim)
+    xhat = (x - mean) * invstd
+    if train:
+        grad_input = _normalisation_grads(g, xhat, invstd, w, axes)
+    else:
+        grad_input = g * invstd * (1 if w is None else w)
+    grad_weight = jnp.sum(g * xhat, axis=axes)
+    grad_bias = jnp.sum(g, axis=axes)
+    return grad_input.astype(input.dtype), grad_weight, grad_bias
+
+
+@lowers(aten.native_batch_norm_backward.default)
+def native_batch_norm_backward(grad_out, input, weight, running_mean, running_var, save_mean, save_invstd, train, eps, output_mask):
+    return _batch_norm_grads(grad_out, input, weight, running_mean, running_var, save_mean, save_invstd, train, eps)
+
+
+@lowers(aten.batch_norm_backward.default)
+def batch_norm_backward(grad_out, input, weight, running_mean, running_var, save_mean, save_var, update, eps, output_mask, reserve):
+    train = update or running_mean is None
+    return _batch_norm_grads(grad_out, input, weight, running_mean, running_var, save_mean, save_var, train, eps)
+
+
+def _layer_norm(input, normalized_shape, weight, bias, eps):
+    x = _opmath(input)
+    axes = tuple(range(input.ndim - len(normalized_shape), input.ndim))
+    mean = jnp.mean(x, axis=axes, keepdims=True)
+    var = jnp.mean(jnp.square(x - mean), axis=axes, keepdims=True)
+    rstd = lax.rsqrt(var + eps)
+    out = (x - mean) * rstd
+    if weight is not None:
+        out = out * _opmath(weight)
+    if bias is not None:
+        out = out + _opmath(bias)
+    return out.astype(input.dtype), mean, rstd
+
+
+@lowers(aten.native_layer_norm.default)
+def native_layer_norm(input, normalized_shape, weight, bias, eps):
+    return _layer_norm(input, normalized_shape, weight, bias, eps)
+
+
+@lowers(aten.native_layer_norm_backward.default)
+def native_layer_norm_backward(grad_out, input, normalized_shape, mean, rstd, weight, bias, output_mask):
+    x, g = _opmath(input), _opmath(grad_out)
+    k = len(normalized_shape)
+    axes = tuple(range(x.ndim - k, x.ndim))
+    lead = tuple(range(x.ndim - k))
+    xhat = (x - mean) * rstd
+    w = None if weight is None else _opmath(weight)
+    grad_input = _normalisation_grads(g, xhat, rstd, w, axes)
+    grad_weight = jnp.sum(g * xhat, axis=lead) if weight is not None else None
+    grad_bias = jnp.sum(g, axis=lead) if bias is not None else None
+    return grad_input.astype(input.dtype), grad_weight, grad_bias
+
+
+def _group_norm(input, weight, bias, N, C, HxW, group, eps):
+    x = _opmath(input).reshape(N, group, -1)
+    mean = jnp.mean(x, axis=-1)
+    var = jnp.mean(jnp.square(x - mean[..., None]), axis=-1)
+    rstd = lax.rsqrt(var + eps)
+    out = ((x - mean[..., None]) * rstd[..., None]).reshape(input.shape)
+    shape = (1, C) + (1,) * (input.ndim - 2)
+    if weight is not None:
+        out = out * _opmath(weight).reshape(shape)
+    if bias is not None:
+        out = out + _opmath(bias).reshape(shape)
+    return out.astype(input.dtype), mean, rstd
+
+
+@lowers(aten.native_group_norm.default)
+def native_group_norm(input, weight, bias, N, C, HxW, group, eps):
+    return _group_norm(input, weight, bias, N, C, HxW, group, eps)
+
+
+@lowers(aten.native_group_norm_backward.default)
+def native_group_norm_backward(grad_out, input, mean, rstd, weight, N, C, HxW, group, output_mask):
+    x = _opmath(input).reshape(N, group, C // group, -1)
+    g = _opmath(grad_out).reshape(x.shape)
+    m, r = mean[:, :, None, None], rstd[:, :, None, None]
+    xhat = (x - m) * r
+    w = None if weight is None else _opmath(weight).reshape(1, group, C // group, 1)
+    grad_input = _normalisation_grads(g, xhat, r, w, (2, 3)).reshape(input.shape)
+    grad_weight = jnp.sum(g * xhat, axis=(0, 3)).reshape(C)
+    grad_bias = jnp.sum(g, axis=(0, 3)).reshape(C)
+    return grad_input.astype(input.dtype), grad_weight, grad_bias
+
+
+@lowers(aten._fused_rms_norm.default)
+def _fused_rms_norm(input, normalized_shape, weight, eps):
+    x = _opmath(input)
+    axes = tuple(range(input.ndim - len(normalized_shape), input.ndim))
+    if eps is None:
+        eps = float(jnp.finfo(x.dtype).eps)
+    rstd = lax.rsqrt(jnp.mean(x * x, axis=axes, keepdims=True) + eps)
+    out = x * rstd
+    if weight is not None:
+        out = out * _opmath(weight)
+    return out.astype(input.dtype), rstd
+
+
+# -- embedding ----------------------------------------------------------------------------------
+
+
+@lowers(aten.embedding.default)
+def embedding(weight, indices, padding_idx=-1, scale_grad_by_freq=False, sparse=False):
+    n = weight.shape[0]
+    error_if(jnp.any((indices < 0) | (indices >= n)), IndexError, "index out of range in self")
+    return jnp.take(weight, indices, axis=0)
+
+
+@lowers(aten.embedding_dense_backward.default)
+def embedding_dense_backward(grad_output, indices, num_weights, padding_idx, scale_grad_by_freq):
+    idx = indices.reshape(-1)
+    grad = _opmath(grad_output).reshape(idx.shape[0], -1)
+    if padding_idx >= 0:
+        grad = jnp.where((idx == padding_idx)[:, None], 0, grad)
+    if scale_grad_by_freq:
+        counts = jnp.zeros((num_weights,), grad.dtype).at[idx].add(1)
+        grad = grad / counts[idx][:, None]
+    out = jnp.zeros((num_weights, grad.shape[1]), grad.dtype).at[idx].add(grad)
+    return out.reshape((num_weights,) + grad_output.shape[indices.ndim :]).astype(grad_output.dtype)
+
+
+# -- softmax ------------------------------------------------------------------------------------
+
+
+@lowers(aten._softmax.default)
+def _softmax(self, dim, half_to_float):
+    x = _opmath(self)
+    if x.ndim == 0:
+        return jnp.ones_like(x)
+    return jax.nn.softmax(x, axis=canonical_dim(dim, self.ndim))
+
+
+@lowers(aten._log_softmax.default)
+def _log_softmax(self, dim, half_to_float):
+    x = _opmath(self)
+    if x.ndim == 0:
+        return jnp.zeros_like(x)
+    return jax.nn.log_softmax(x, axis=canonical_dim(dim, self.ndim))
+
+
+@lowers(aten._softmax_backward_data.default)
+def _softmax_backward_data(grad_output, output, dim, input_dtype):
+    g, y = _opmath(grad_output), _opmath(output)
+    if y.ndim == 0:
+        return jnp.zeros_like(g)
+    axis = canonical_dim(dim, y.ndim)
+    return y * (g - jnp.sum(g * y, axis=axis, keepdims=True))
+
+
+@lowers(aten._log_softmax_backward_data.default)
+def _log_softmax_backward_data(grad_output, output, dim, input_dtype):
+    g, y = _opmath(grad_output), _opmath(output)
+    if y.ndim == 0:
+        return jnp.zeros_like(g)
+    axis = canonical_dim(dim, y.ndim)
+    return g - jnp.exp(y) * jnp.sum(g, axis=axis, keepdims=True)
+
+
+# -- losses -------------------------------------------------------------------------------------
+
+_NONE, _MEAN, _SUM = 0, 1, 2
+
+
+def _reduce(loss, reduction):
+    if reduction == _MEAN:
+        return jnp.mean(loss)
+    if reduction == _SUM:
+        return jnp.sum(loss)
+    return loss
+
+
+def _nll_parts(self, target, weight, ignore_index):
+    """Per-element -w * x[target] and w, with the class dim at 1 (or 0 for 1-d)."""
+    class_dim = 0 if self.ndim == 1 else 1
+    n_classes = self.shape[class_dim]
+    valid = target != ignore_index
+    error_if(
+        jnp.any(valid & ((target < 0) | (target >= n_classes))),
+        IndexError,
+        f"Target is out of bounds (must be in [0, {n_classes}))",
+    )
+    safe = jnp.where(valid, target, 0)
+    picked = jnp.take_along_axis(self, jnp.expand_dims(safe, class_dim), axis=class_dim).squeeze(class_dim)
+    w = jnp.ones((n_classes,), self.dtype) if weight is None else weight.astype(self.dtype)
+    w = jnp.where(valid, w[safe], 0)
+    return -picked * w, w
+
+
+def _nll_forward(self, target, weight, reduction, ignore_index):
+    loss, w = _nll_parts(self, target, weight, ignore_index)
+    total = jnp.sum(w)
+    if reduction == _MEAN:
+        return jnp.sum(loss) / total, total
+    if reduction == _SUM:
+        return jnp.sum(loss), total
+    return loss, total
+
+
+@lowers(aten.nll_loss_forward.default, aten.nll_loss2d_forward.default)
+def nll_loss_forward(self, target, weight, reduction, ignore_index):
+    return _nll_forward(self, target, weight, reduction, ignore_index)
+
+
+@lowers(aten.nll_loss_backward.default, aten.nll_loss2d_backward.default)
+def nll_loss_backward(grad_output, self, target, weight, reduction, ignore_index, total_weight):
+    _, vjp = jax.vjp(lambda x: _nll_forward(x, target, weight, reduction, ignore_index)[0], self)
+    return vjp(grad_output.astype(self.dtype))[0]
+
+
+@lowers(aten.mse_loss.default, promote="default")
+def mse_loss(self, target, reduction=_MEAN):
+    return _reduce(jnp.square(self - target), reduction)
+
+
+@lowers(aten.mse_loss_backward.default, promote="default")
+def mse_loss_backward(grad_output, self, target, reduction):
+    scale = 2.0 / self.size if reduction == _MEAN else 2.0
+    return scale * (self - target) * grad_output
+
+
+def _bce(self, target, weight):
+    # torch clamps the logs at -100 so that 0 * log(0) stays finite.
+    log_p = jnp.maximum(jnp.log(self), -100.0)
+    log_1mp = jnp.maximum(jnp.log1p(-self), -100.0)
+    loss = -(target * log_p + (1 - target) * log_1mp)
+    return loss if weight is None else loss * weight
+
+
+@lowers(aten.binary_cross_entropy.default)
+def binary_cross_entropy(self, target, weight=None, reduction=_MEAN):
+    x = _opmath(self)
+    return _reduce(_bce(x, _opmath(target), weight), reduction)
+
+
+@lowers(aten.binary_cross_entropy_backward.default)
+def binary_cross_entropy_backward(grad_output, self, target, weight=None, reduction=_MEAN):
+    eps = 1e-12
+    x, t = _opmath(self), _opmath(target)
+    grad = (x - t) / jnp.maximum((1 - x) * x, eps)
+    if weight is not None:
+        grad = grad * weight
+    if reduction == _MEAN:
+        grad = grad / self.size
+    return grad * grad_output
+
+
+@lowers(aten.binary_cross_entropy_with_logits.default)
+def binary_cross_entropy_with_logits(self, target, weight=None, pos_weight=None, reduction=_MEAN):
+    x, t = _opmath(self), _opmath(target)
+    log_sig = jax.nn.log_sigmoid(x)
+    log_one_minus = jax.nn.log_sigmoid(-x)
+    if pos_weight is not None:
+        loss = -(pos_weight * t * log_sig + (1 - t) * log_one_minus)
+    else:
+        loss = -(t * log_sig + (1 - t) * log_one_minus)
+    if weight is not None:
+        loss = loss * weight
+    return _reduce(loss, reduction)
+
+
+@lowers(aten.smooth_l1_loss.default, promote="default")
+def smooth_l1_loss(self, target, reduction=_MEAN, beta=1.0):
+    diff = jnp.abs(self - target)
+    loss = diff - 0.5 * beta if beta == 0 else jnp.where(diff < beta, 0.5 * diff * diff / beta, diff - 0.5 * beta)
+    return _reduce(loss, reduction)
+
+
+@lowers(aten.huber_loss.default, promote="default")
+def huber_loss(self, target, reduction=_MEAN, delta=1.0):
+    diff = jnp.abs(self - target)
+    loss = jnp.where(diff < delta, 0.5 * diff * diff, delta * (diff - 0.5 * delta))
+    return _reduce(loss, reduction)

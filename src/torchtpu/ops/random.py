@@ -1,0 +1,157 @@
+"""Random ops. Each takes ``key=``: a PRNG key the dispatcher derives from the
+device's (seed, offset) state inside the compiled function (rng.py)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from torchtpu.ops.registry import aten, lowers
+
+
+def _float_work(dtype):
+    """Draw 16-bit floats in float32, then round: as torch's CPU generator does."""
+    return jnp.float32 if dtype in (jnp.float16, jnp.bfloat16) else dtype
+
+
+@lowers(aten.normal_.default, random=True)
+def normal_(self, mean=0.0, std=1.0, generator=None, *, key):
+    work = _float_work(self.dtype)
+    return (mean + std * jax.random.normal(key, self.shape, work)).astype(self.dtype)
+
+
+@lowers(aten.normal.Tensor_float, random=True)
+def normal_tensor_float(mean, std=1.0, generator=None, *, key):
+    work = _float_work(mean.dtype)
+    return mean + std * jax.random.normal(key, mean.shape, work)
+
+
+@lowers(aten.normal.float_Tensor, random=True)
+def normal_float_tensor(mean, std, generator=None, *, key):
+    work = _float_work(std.dtype)
+    return mean + std * jax.random.normal(key, std.shape, work)
+
+
+@lowers(aten.normal.Tensor_Tensor, random=True)
+def normal_tensor_tensor(mean, std, generator=None, *, key):
+    shape = jnp.broadcast_shapes(mean.shape, std.shape)
+    work = _float_work(jnp.result_type(mean, std))
+    return mean + std * jax.random.normal(key, shape, work)
+
+
+@lowers(aten.uniform_.default, random=True)
+def uniform_(self, from_=0.0, to=1.0, generator=None, *, key):
+    work = _float_work(self.dtype)
+    return jax.random.uniform(key, self.shape, work, minval=from_, maxval=to).astype(self.dtype)
+
+
+@lowers(aten.bernoulli_.float, random=True)
+def bernoulli_float_(self, p=0.5, generator=None, *, key):
+    return jax.random.bernoulli(key, p, self.shape).astype(self.dtype)
+
+
+@lowers(aten.bernoulli_.Tensor, random=True)
+def bernoulli_tensor_(self, p, generator=None, *, key):
+    return jax.random.bernoulli(key, jnp.broadcast_to(p, self.shape)).astype(self.dtype)
+
+
+@lowers(aten.bernoulli.default, random=True)
+def bernoulli(self, generator=None, *, key):
+    return jax.random.bernoulli(key, self).astype(self.dtype)
+
+
+@lowers(aten.bernoulli.p, random=True)
+def bernoulli_p(self, p, generator=None, *, key):
+    return jax.random.bernoulli(key, p, self.shape).astype(self.dtype)
+
+
+@lowers(aten.exponential_.default, random=True)
+def exponential_(self, lambd=1.0, generator=None, *, key):
+    work = _float_work(self.dtype)
+    return (jax.random.exponential(key, self.shape, work) / lambd).astype(self.dtype)
+
+
+@lowers(aten.geometric_.default, random=True)
+def geometric_(self, p, generator=None, *, key):
+    return jax.random.geometric(key, p, self.shape).astype(self.dtype)
+
+
+@lowers(aten.log_normal_.default, random=True)
+def log_normal_(self, mean=1.0, std=2.0, generator=None, *, key):
+    work = _float_work(self.dtype)
+    return jnp.exp(mean + std * jax.random.normal(key, self.shape, work)).astype(self.dtype)
+
+
+@lowers(aten.cauchy_.default, random=True)
+def cauchy_(self, median=0.0, sigma=1.0, generator=None, *, key):
+    work = _float_work(self.dtype)
+    return (median + sigma * jax.random.cauchy(key, self.shape, work)).astype(self.dtype)
+
+
+def _random_bound(dtype) -> int:
+    """torch's random_() without bounds: [0, 2**digits] for floats, the type's max for ints."""
+    if jnp.issubdtype(dtype, jnp.floating):
+        return 2 ** jnp.finfo(dtype).nmant + 1
+    if dtype == jnp.bool_:
+        return 2
+    return int(jnp.iinfo(dtype).max) + 1
+
+
+def _randint(key, shape, low, high, dtype):
+    draws = jax.random.randint(key, shape, low, high, dtype=jnp.int64)
+    return draws.astype(dtype)
+
+
+@lowers(aten.random_.default, random=True)
+def random_(self, generator=None, *, key):
+    return _randint(key, self.shape, 0, _random_bound(self.dtype), self.dtype)
+
+
+@lowers(aten.random_.to, random=True)
+def random_to(self, to, generator=None, *, key):
+    return _randint(key, self.shape, 0, to, self.dtype)
+
+
+@lowers(getattr(aten.random_, "from"), random=True)
+def random_from(self, from_, to=None, generator=None, *, key):
+    high = _random_bound(self.dtype) if to is None else to
+    return _randint(key, self.shape, from_, high, self.dtype)
+
+
+@lowers(aten.randperm.default, random=True)
+def randperm(n, dtype=None, layout=None, device=None, pin_memory=None, *, key):
+    return jax.random.permutation(key, n).astype(jnp.int64)
+
+
+@lowers(aten.randperm.generator, random=True)
+def randperm_generator(n, generator=None, dtype=None, layout=None, device=None, pin_memory=None, *, key):
+    return randperm(n, key=key)
+
+
+@lowers(aten.native_dropout.default, random=True)
+def native_dropout(input, p, train, *, key):
+    if train is False or p == 0:  # train=None means training, as in torch
+        return input, jnp.ones(input.shape, jnp.bool_)
+    if p == 1:
+        return jnp.zeros_like(input), jnp.zeros(input.shape, jnp.bool_)
+    keep = jax.random.bernoulli(key, 1.0 - p, input.shape)
+    scale = jnp.asarray(1.0 / (1.0 - p), input.dtype)
+    return jnp.where(keep, input * scale, jnp.zeros((), input.dtype)), keep
+
+
+@lowers(aten.native_dropout_backward.default)
+def native_dropout_backward(grad_output, mask, scale):
+    return grad_output * mask.astype(grad_output.dtype) * jnp.asarray(scale, grad_output.dtype)
+
+
+@lowers(aten.multinomial.default, random=True)
+def multinomial(self, num_samples, replacement=False, generator=None, *, key):
+    logits = jnp.log(self.astype(jnp.float64) if self.dtype != jnp.float64 else self)
+    if replacement:
+        shape = (num_samples,) + self.shape[:-1]
+        draws = jax.random.categorical(key, logits, axis=-1, shape=shape)
+        return jnp.moveaxis(draws, 0, -1).astype(jnp.int64)
+    # Without replacement: Gumbel top-k.
+    gumbel = jax.random.gumbel(key, self.shape, jnp.float64)
+    _, idx = jax.lax.top_k(logits + gumbel, num_samples)
+    return idx.astype(jnp.int64)

@@ -1,0 +1,341 @@
+"""View ops: lowerings that select or rearrange elements without computing.
+
+As views (``view=True``) they make tensors that share storage (storage.py); their
+``*_copy`` twins are the same functions as plain computations (decompositions and
+compiled graphs use those). Reshape-, permute- and dtype-like views carry an exact
+inverse; index-like views (slice, select, diagonal, unfold, as_strided, split, unbind)
+use storage.py's generic scatter.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import lax
+
+from torchtpu import storage
+from torchtpu.ops.registry import aten, lowers
+from torchtpu.ops.util import canonical_dim
+
+
+# -- exact inverses -------------------------------------------------------------------------
+
+
+def _reshape_back(base, value, *args, index=None):
+    return value.reshape(base.shape)
+
+
+def _inverse_permutation(perm):
+    inverse = [0] * len(perm)
+    for i, p in enumerate(perm):
+        inverse[p] = i
+    return inverse
+
+
+def _permute_back(base, value, dims, index=None):
+    perm = [canonical_dim(d, base.ndim) for d in dims]
+    return jnp.transpose(value, _inverse_permutation(perm))
+
+
+def _transpose_back(base, value, dim0, dim1, index=None):
+    return transpose(value, dim0, dim1)
+
+
+def _t_back(base, value, index=None):
+    return t(value)
+
+
+def _slice_back(base, value, dim, start, end, step, index=None):
+    dim = canonical_dim(dim, base.ndim)
+    start, _, step = _slice_bounds(base.shape[dim], start, end, step)
+    if step == 1:
+        return lax.dynamic_update_slice_in_dim(base, value.astype(base.dtype), start, dim)
+    return storage.scatter_into(base, storage.ViewStep(aten.slice.Tensor, (dim, start, end, step)), value)
+
+
+def _select_back(base, value, dim, index_, index=None):
+    dim = canonical_dim(dim, base.ndim)
+    i = index_ + base.shape[dim] if index_ < 0 else index_
+    return lax.dynamic_update_index_in_dim(base, value.astype(base.dtype), i, dim)
+
+
+def _expand_back(base, value, size, implicit=False, index=None):
+    lead = value.ndim - base.ndim
+    for d, n in enumerate(base.shape):
+        if n == 1 and value.shape[lead + d] != 1:
+            raise RuntimeError(
+                "unsupported operation: more than one element of the written-to tensor refers "
+                "to a single memory location. Please clone() the tensor before performing the operation."
+            )
+    if any(value.shape[d] != 1 for d in range(lead)):
+        raise RuntimeError(
+            "unsupported operation: more than one element of the written-to tensor refers "
+            "to a single memory location. Please clone() the tensor before performing the operation."
+        )
+    return value.reshape(base.shape)
+
+
+def _dtype_view_back(base, value, dtype, index=None):
+    return view_dtype(value, _torch_dtype_of(base))
+
+
+def _view_as_real_back(base, value, index=None):
+    return lax.complex(value[..., 0], value[..., 1]).astype(base.dtype)
+
+
+def _view_as_complex_back(base, value, index=None):
+    return jnp.stack([jnp.real(value), jnp.imag(value)], axis=-1).astype(base.dtype)
+
+
+def _conj_back(base, value, index=None):
+    return jnp.conj(value)
+
+
+def _neg_back(base, value, index=None):
+    return -value
+
+
+def _torch_dtype_of(array):
+    from torchtpu import dtypes
+
+    return dtypes.to_torch(array.dtype)
+
+
+# -- the views ---------------------------------------------------------------------------------
+
+
+@lowers(aten.view.default, view=True, view_inverse=_reshape_back)
+@lowers(aten._unsafe_view.default, view=True, view_inverse=_reshape_back)
+@lowers(aten.view_copy.default)
+def view(self, size):
+    return jnp.reshape(self, tuple(size))
+
+
+@lowers(aten._reshape_alias.default, view=True, view_inverse=_reshape_back)
+@lowers(aten._reshape_alias_copy.default)
+def _reshape_alias(self, size, stride):
+    return jnp.reshape(self, tuple(size))
+
+
+@lowers(aten.t.default, view=True, view_inverse=_t_back)
+@lowers(aten.t_copy.default)
+def t(self):
+    return self if self.ndim < 2 else jnp.transpose(self)
+
+
+@lowers(aten.transpose.int, view=True, view_inverse=_transpose_back)
+@lowers(aten.transpose_copy.int)
+def transpose(self, dim0, dim1):
+    if self.ndim == 0:
+        return self
+    return jnp.swapaxes(self, canonical_dim(dim0, self.ndim), canonical_dim(dim1, self.ndim))
+
+
+@lowers(aten.permute.default, view=True, view_inverse=_permute_back)
+@lowers(aten.permute_copy.default)
+def permute(self, dims):
+    return jnp.transpose(self, [canonical_dim(d, self.ndim) for d in dims])
+
+
+@lowers(aten.expand.default, view=True, view_inverse=_expand_back)
+@lowers(aten.expand_copy.default)
+def expand(self, size, implicit=False):
+    lead = len(size) - self.ndim
+    shape = tuple(
+        self.shape[i - lead] if (n == -1 and i >= lead) else n for i, n in enumerate(size)
+    )
+    return jnp.broadcast_to(self, shape)
+
+
+def _squeezed_shape(shape, dims):
+    return tuple(n for i, n in enumerate(shape) if not (i in dims and n == 1))
+
+
+@lowers(aten.squeeze.default, view=True, view_inverse=_reshape_back)
+@lowers(aten.squeeze_copy.default)
+def squeeze(self):
+    return self.reshape(_squeezed_shape(self.shape, set(range(self.ndim))))
+
+
+@lowers(aten.squeeze.dim, view=True, view_inverse=_reshape_back)
+@lowers(aten.squeeze_copy.dim)
+def squeeze_dim(self, dim):
+    if self.ndim == 0:
+        return self
+    return self.reshape(_squeezed_shape(self.shape, {canonical_dim(dim, self.ndim)}))
+
+
+@lowers(aten.squeeze.dims, view=True, view_inverse=_reshape_back)
+@lowers(aten.squeeze_copy.dims)
+def squeeze_dims(self, dim):
+    if self.ndim == 0:
+        return self
+    return self.reshape(_squeezed_shape(self.shape, {canonical_dim(d, self.ndim) for d in dim}))
+
+
+@lowers(aten.unsqueeze.default, view=True, view_inverse=_reshape_back)
+@lowers(aten.unsqueeze_copy.default)
+def unsqueeze(self, dim):
+    return jnp.expand_dims(self, canonical_dim(dim, self.ndim + 1))
+
+
+def _slice_bounds(size, start, end, step):
+    start = 0 if start is None else start
+    end = size if end is None else end
+    if start < 0:
+        start += size
+    if end < 0:
+        end += size
+    start = min(max(start, 0), size)
+    end = min(max(end, start), size)
+    return start, end, step
+
+
+@lowers(aten.slice.Tensor, view=True, view_inverse=_slice_back)
+@lowers(aten.slice_copy.Tensor)
+def slice_(self, dim=0, start=None, end=None, step=1):
+    dim = canonical_dim(dim, self.ndim)
+    start, end, step = _slice_bounds(self.shape[dim], start, end, step)
+    return lax.slice_in_dim(self, start, end, step, axis=dim)
+
+
+@lowers(aten.narrow.default, view=True)
+@lowers(aten.narrow_copy.default)
+def narrow(self, dim, start, length):
+    dim = canonical_dim(dim, self.ndim)
+    if start < 0:
+        start += self.shape[dim]
+    return lax.slice_in_dim(self, start, start + length, 1, axis=dim)
+
+
+@lowers(aten.select.int, view=True, view_inverse=_select_back)
+@lowers(aten.select_copy.int)
+def select(self, dim, index):
+    dim = canonical_dim(dim, self.ndim)
+    if index < 0:
+        index += self.shape[dim]
+    return lax.index_in_dim(self, index, axis=dim, keepdims=False)
+
+
+@lowers(aten.diagonal.default, view=True)
+@lowers(aten.diagonal_copy.default)
+def diagonal(self, offset=0, dim1=0, dim2=1):
+    return jnp.diagonal(self, offset, canonical_dim(dim1, self.ndim), canonical_dim(dim2, self.ndim))
+
+
+@lowers(aten.unfold.default, view=True)
+@lowers(aten.unfold_copy.default)
+def unfold(self, dimension, size, step):
+    if self.ndim == 0:
+        return self.reshape(1)
+    dim = canonical_dim(dimension, self.ndim)
+    count = (self.shape[dim] - size) // step + 1
+    index = (jnp.arange(count) * step)[:, None] + jnp.arange(size)[None, :]
+    windows = jnp.take(self, index, axis=dim)  # (..., count, size, ...)
+    return jnp.moveaxis(windows, dim + 1, -1)
+
+
+@lowers(aten.split.Tensor, view=True)
+@lowers(aten.unsafe_split.Tensor, view=True)
+@lowers(aten.split_copy.Tensor)
+def split(self, split_size, dim=0):
+    dim = canonical_dim(dim, self.ndim)
+    n = self.shape[dim]
+    if split_size == 0:
+        return [self]
+    sizes = [split_size] * (n // split_size) + ([n % split_size] if n % split_size else [])
+    return split_with_sizes(self, sizes or [0], dim)
+
+
+@lowers(aten.split_with_sizes.default, view=True)
+@lowers(aten.unsafe_split_with_sizes.default, view=True)
+@lowers(aten.split_with_sizes_copy.default)
+def split_with_sizes(self, split_sizes, dim=0):
+    dim = canonical_dim(dim, self.ndim)
+    out, start = [], 0
+    for size in split_sizes:
+        out.append(lax.slice_in_dim(self, start, start + size, 1, axis=dim))
+        start += size
+    return out
+
+
+@lowers(aten.unbind.int, view=True)
+@lowers(aten.unbind_copy.int)
+def unbind(self, dim=0):
+    dim = canonical_dim(dim, self.ndim)
+    return [lax.index_in_dim(self, i, axis=dim, keepdims=False) for i in range(self.shape[dim])]
+
+
+@lowers(aten.as_strided.default, view=True)
+@lowers(aten.as_strided_copy.default)
+def as_strided(self, size, stride, storage_offset=None, _storage_strides=None):
+    """``_storage_strides``: the memory layout of ``self`` when it is a storage's base
+    (Note [Storage strides]); as an op of its own, ``self`` is taken as contiguous."""
+    strides = _storage_strides if _storage_strides is not None else storage._contiguous_strides(self.shape)
+    flat = storage.physical(self, strides)
+    offset = storage_offset or 0
+    position = jnp.full(tuple(size), offset, dtype=jnp.int64)
+    for dim, (n, s) in enumerate(zip(size, stride)):
+        axis = [1] * len(size)
+        axis[dim] = n
+        position = position + (jnp.arange(n, dtype=jnp.int64) * s).reshape(axis)
+    return flat[position]
+
+
+@lowers(aten.view.dtype, view=True, view_inverse=_dtype_view_back)
+@lowers(aten.view_copy.dtype)
+def view_dtype(self, dtype):
+    from torchtpu import dtypes
+
+    target = dtypes.to_jax(dtype)
+    source = self.dtype
+    x = self
+    if source == jnp.bool_:
+        x, source = x.astype(jnp.uint8), jnp.dtype(jnp.uint8)
+    bool_target = target == jnp.bool_
+    if bool_target:
+        target = jnp.dtype(jnp.uint8)
+    ratio = source.itemsize / target.itemsize
+    if ratio == 1:
+        out = lax.bitcast_convert_type(x, target)
+    elif ratio > 1:  # to a smaller type: the last dim grows
+        out = lax.bitcast_convert_type(x, target)
+        out = out.reshape(*x.shape[:-1], x.shape[-1] * int(ratio)) if x.ndim else out.reshape(-1)
+    else:  # to a larger type: the last dim shrinks
+        k = int(round(1 / ratio))
+        out = lax.bitcast_convert_type(x.reshape(*x.shape[:-1], x.shape[-1] // k, k), target)
+    return out.astype(jnp.bool_) if bool_target else out
+
+
+@lowers(aten.view_as_real.default, view=True, view_inverse=_view_as_real_back)
+@lowers(aten.view_as_real_copy.default)
+def view_as_real(self):
+    return jnp.stack([jnp.real(self), jnp.imag(self)], axis=-1)
+
+
+@lowers(aten.view_as_complex.default, view=True, view_inverse=_view_as_complex_back)
+@lowers(aten.view_as_complex_copy.default)
+def view_as_complex(self):
+    return lax.complex(self[..., 0], self[..., 1])
+
+
+@lowers(aten._conj.default, view=True, view_inverse=_conj_back)
+@lowers(aten._conj_copy.default)
+def _conj(self):
+    return jnp.conj(self)
+
+
+@lowers(aten._neg_view.default, view=True, view_inverse=_neg_back)
+@lowers(aten._neg_view_copy.default)
+def _neg_view(self):
+    return -self
+
+
+@lowers(aten.alias_copy.default, aten.detach_copy.default, aten.lift_fresh_copy.default)
+def alias_copy(self):
+    return self
+
+
+@lowers(aten.clone.default)
+def clone(self, memory_format=None):
+    return self
+

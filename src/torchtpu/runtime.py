@@ -1,0 +1,56 @@
+"""The JAX runtime behind the tpu device: started on first use, never at import.
+
+``import torch`` autoloads torchtpu, so nothing here may import JAX at module level;
+`jax()` does it once, the first time a tpu tensor needs a device.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from torchtpu import config
+
+
+@functools.cache
+def jax():
+    """Import and configure JAX (x64 on, CPU async dispatch per config); return the module."""
+    import jax as _jax
+
+    # int64/float64 must be real: without x64 JAX silently narrows them (DESIGN.md §8).
+    _jax.config.update("jax_enable_x64", True)
+    _jax.config.update("jax_cpu_enable_async_dispatch", config.cpu_async_dispatch)
+    return _jax
+
+
+@functools.cache
+def devices() -> tuple:
+    """JAX's devices of its default backend; ``tpu:i`` is ``devices()[i]``."""
+    return tuple(jax().devices())
+
+
+def device(index: int | None):
+    """The JAX device behind ``tpu:index`` (index None means the current device)."""
+    from torchtpu import device as _device
+
+    if index is None:
+        index = _device.current_device()
+    devs = devices()
+    if not 0 <= index < len(devs):
+        raise RuntimeError(
+            f"tpu:{index} does not exist: JAX sees {len(devs)} device(s) "
+            f"({devs[0].platform}), so valid indices are 0..{len(devs) - 1}"
+        )
+    return devs[index]
+
+
+def platform() -> str:
+    """The JAX backend behind the tpu device: "tpu", "gpu" or "cpu"."""
+    return devices()[0].platform
+
+
+def device_name(index: int | None = None) -> str:
+    """A truthful name: the chip kind (e.g. "TPU v5 lite"), or "cpu (XLA)" on the CPU backend."""
+    dev = device(index)
+    if dev.platform == "cpu":
+        return "cpu (XLA)"
+    return dev.device_kind

@@ -1,0 +1,171 @@
+"""Storage and views: PyTorch's aliasing on top of immutable JAX arrays.
+
+A `Storage` is a mutable cell holding the base array of a family of aliasing tensors,
+plus a version number. Every TPUTensor is a Storage plus a *view chain*: the view ops
+(with their static arguments) that lead from the base to the tensor. A plain tensor
+has an empty chain.
+
+- Reading a tensor applies its chain to the current base (`read`).
+- Writing a tensor (an in-place op, ``copy_``, an ``out=`` op) computes its new value
+  and writes it back through the chain (`write`): each view op has an inverse that
+  puts a new view value back into the array it was taken from. Index-like views
+  (slices, select, diagonal, unfold, as_strided, ...) share one generic inverse, a
+  scatter at the positions the view reads; reshape-, permute- and dtype-like views
+  register exact inverses with their lowering (``@lowers(..., view_inverse=...)``).
+
+Both run inside the jitted function of the op that reads or writes, so a view costs
+nothing extra at run time and XLA sees the whole computation.
+
+See Note [Storage strides] for ``as_strided``.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+
+class ViewStep(NamedTuple):
+    """One view op on the way from a base array to a tensor.
+
+    ``op`` is the aten view op, ``args`` its static arguments after the tensor, and
+    ``index`` selects one output of a multi-output view op (split, unbind).
+    """
+
+    op: torch._ops.OpOverload
+    args: tuple
+    index: int | None = None
+
+
+ViewChain = tuple  # tuple[ViewStep, ...]
+
+
+class Storage:
+    """A mutable cell holding the base array shared by a tensor and its views.
+
+    ``array`` is a JAX array of ``shape`` and ``dtype``, or None while the storage is
+    uninitialised (``torch.empty``): it then reads as zeros, and nothing is allocated
+    until something reads it.
+
+    Note [Storage strides]: ``array`` is the *logical* value of the tensor that
+    created the storage, while ``strides`` are the strides torch reports for it (from
+    the meta kernel, e.g. transposed strides for ``a.t() + 1``). Only ``as_strided``,
+    which addresses raw storage, needs them: it lays the array out in memory order
+    first (`physical`).
+    """
+
+    __slots__ = ("array", "shape", "strides", "dtype", "device_index", "version", "__weakref__")
+
+    def __init__(self, array, shape, strides, dtype: torch.dtype, device_index: int):
+        self.array = array
+        self.shape = tuple(shape)
+        self.strides = tuple(strides)
+        self.dtype = dtype
+        self.device_index = device_index
+        self.version = 0
+
+    def set(self, array) -> None:
+        """Replace the base array (after a write)."""
+        self.array = array
+        self.version += 1
+
+    def __repr__(self) -> str:
+        state = "uninitialised" if self.array is None else "initialised"
+        return f"Storage({self.shape}, {self.dtype}, tpu:{self.device_index}, {state}, v{self.version})"
+
+
+# -- reading and writing through a chain (traced inside jitted functions) ---------------
+
+
+def _lowering(op):
+    from torchtpu.ops import TABLE
+
+    return TABLE[op]
+
+
+def apply_step(x, step: ViewStep):
+    out = _lowering(step.op).fn(x, *step.args)
+    return out if step.index is None else out[step.index]
+
+
+def read(base, chain: ViewChain):
+    """The value of the tensor reached from ``base`` through ``chain``."""
+    for step in chain:
+        base = apply_step(base, step)
+    return base
+
+
+def write(base, chain: ViewChain, value):
+    """The new base after the tensor reached through ``chain`` takes ``value``."""
+    if not chain:
+        return value
+    step, rest = chain[0], chain[1:]
+    inner = apply_step(base, step)
+    new_inner = write(inner, rest, value) if rest else value
+    inverse = _lowering(step.op).view_inverse
+    if inverse is not None:
+        return inverse(base, new_inner, *step.args, index=step.index)
+    return scatter_into(base, step, new_inner)
+
+
+def scatter_into(base, step: ViewStep, value):
+    """Generic inverse of an index-like view: write ``value`` where the view reads."""
+    from torchtpu.runtime import jax
+
+    jnp = jax().numpy
+    positions = jnp.arange(base.size, dtype=jnp.int64).reshape(base.shape)
+    index = apply_step(positions, step).reshape(-1)
+    flat = base.reshape(-1).at[index].set(value.reshape(-1).astype(base.dtype))
+    return flat.reshape(base.shape)
+
+
+def physical(base, strides):
+    """``base`` laid out as a flat array in memory order (Note [Storage strides])."""
+    from torchtpu.runtime import jax
+
+    jnp = jax().numpy
+    shape = base.shape
+    contiguous = _contiguous_strides(shape)
+    if tuple(strides) == contiguous or base.ndim == 0:
+        return base.reshape(-1)
+    size = 1 + sum((n - 1) * s for n, s in zip(shape, strides) if n > 0)
+    position = jnp.zeros(shape, jnp.int64)
+    for dim, (n, s) in enumerate(zip(shape, strides)):
+        axis = [1] * len(shape)
+        axis[dim] = n
+        position = position + (jnp.arange(n, dtype=jnp.int64) * s).reshape(axis)
+    return jnp.zeros(size, base.dtype).at[position.reshape(-1)].set(base.reshape(-1))
+
+
+def from_physical(flat, shape, strides):
+    """Inverse of `physical`: the logical array stored in ``flat``."""
+    from torchtpu.runtime import jax
+
+    jnp = jax().numpy
+    if len(shape) == 0:
+        return flat[0]
+    if tuple(strides) == _contiguous_strides(shape):
+        return flat[: _numel(shape)].reshape(shape)
+    position = jnp.zeros(shape, jnp.int64)
+    for dim, (n, s) in enumerate(zip(shape, strides)):
+        axis = [1] * len(shape)
+        axis[dim] = n
+        position = position + (jnp.arange(n, dtype=jnp.int64) * s).reshape(axis)
+    return flat[position]
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _contiguous_strides(shape) -> tuple[int, ...]:
+    strides = []
+    acc = 1
+    for n in reversed(shape):
+        strides.append(acc)
+        acc *= max(n, 1)
+    return tuple(reversed(strides))

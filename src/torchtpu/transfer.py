@@ -1,0 +1,43 @@
+"""Moving values between torch's CPU tensors and JAX device arrays.
+
+DLPack is zero-copy both ways on the CPU backend, which would make a JAX array and a
+torch tensor share memory: a later in-place op on either would change the other. So
+each direction copies exactly once.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from torchtpu import checks, counters
+from torchtpu.runtime import device, jax
+
+
+def to_device(cpu_tensor: torch.Tensor, index: int):
+    """A JAX array on ``tpu:index`` holding a copy of ``cpu_tensor``'s values."""
+    t = cpu_tensor.detach()
+    if t.is_conj():
+        t = t.resolve_conj()
+    if t.is_neg():
+        t = t.resolve_neg()
+    # The copy becomes the JAX array's buffer; nothing else holds it.
+    private = t.clone(memory_format=torch.contiguous_format)
+    jx = jax()
+    array = jx.dlpack.from_dlpack(private)
+    target = device(index)
+    if array.devices() != {target}:
+        array = jx.device_put(array, target)
+    counters.count("transfer_bytes", "to_device", private.numel() * private.element_size())
+    return array
+
+
+def to_host(array) -> torch.Tensor:
+    """A CPU tensor holding a copy of ``array``'s values (waits for them)."""
+    checks.raise_pending()
+    jx = jax()
+    (dev,) = array.devices()
+    if dev.platform != "cpu":
+        array = jx.device_put(array, jx.devices("cpu")[0])
+    host = torch.from_dlpack(array).clone()
+    counters.count("transfer_bytes", "to_host", host.numel() * host.element_size())
+    return host
