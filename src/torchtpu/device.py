@@ -14,7 +14,7 @@ import types
 
 import torch
 
-from torchtpu import modes, rng
+from torchtpu import autocast, modes, rng
 from torchtpu.modes import EagerMode, set_eager_mode
 from torchtpu.matmul_precision import Precision, precision
 
@@ -227,6 +227,14 @@ def _empty(size, stride, dtype, device, memory_format):
     return empty_tensor(tuple(size), tuple(stride), dtype, _index(device))
 
 
+def _copy_from(self, dst, non_blocking=False):
+    # Reached instead of __torch_dispatch__ where torch excludes Python dispatch while
+    # filling a new tensor (``torch.tensor(data, device="tpu")``).
+    from torchtpu.dispatch import dispatch
+
+    return dispatch(torch.ops.aten.copy_.default, (dst, self, non_blocking), {})
+
+
 def _factory_kernel(op):
     def kernel(*args, **kwargs):
         from torchtpu.dispatch import dispatch
@@ -247,7 +255,9 @@ def register() -> None:
     _library = torch.library.Library("aten", "IMPL")
     _library.impl("empty.memory_format", _empty_memory_format, "PrivateUse1")
     _library.impl("empty_strided", _empty_strided, "PrivateUse1")
+    _library.impl("_copy_from", _copy_from, "PrivateUse1")
     for name in _FACTORIES:
         packet, _, overload = name.partition(".")
         op = getattr(getattr(torch.ops.aten, packet), overload or "default")
         _library.impl(name, _factory_kernel(op), "PrivateUse1")
+    autocast.register()

@@ -35,7 +35,31 @@ def dispatch(func, args, kwargs):
     handler = _HANDLERS.get(func)
     if handler is None:
         handler = _HANDLERS[func] = _choose(func)
+        if func in _TAKES_INDICES:
+            handler = _HANDLERS[func] = _integer_indices(handler)
     return handler(func, args, kwargs)
+
+
+# Ops taking a list of indices, where torch turns a boolean mask into the integer
+# indices of its True elements before indexing. That count depends on values, so it
+# happens here, op by op (nonzero), and the op itself stays compiled.
+_TAKES_INDICES = {aten.index.Tensor, aten.index_put.default, aten.index_put_.default, aten._index_put_impl_.default}
+
+
+def _integer_indices(handler):
+    def with_integer_indices(func, args, kwargs):
+        indices = args[1]
+        if any(i is not None and i.dtype in (torch.bool, torch.uint8) for i in indices):
+            expanded = []
+            for i in indices:
+                if i is not None and i.dtype in (torch.bool, torch.uint8):
+                    expanded.extend(aten.nonzero.default(i).unbind(1))
+                else:
+                    expanded.append(i)
+            args = (args[0], expanded) + tuple(args[2:])
+        return handler(func, args, kwargs)
+
+    return with_integer_indices
 
 
 def _choose(func):
@@ -49,7 +73,9 @@ def _choose(func):
             return _view_handler(info, lowering)
         return _lowered_handler(info, lowering)
     functional = schema.functional_variant(func)
-    if functional is not None and functional in TABLE and not TABLE[functional].view:
+    if functional is not None and functional in TABLE:
+        if TABLE[functional].view:
+            return _inplace_view_handler(functional)
         return _lowered_handler(info, TABLE[functional])
     decomposition = _decompositions().get(func)
     if decomposition is not None:
@@ -199,6 +225,26 @@ def _make_view(x: TPUTensor, restart: bool, step, meta: OutMeta, offset: int) ->
     return TPUTensor(x._storage, chain, meta.shape, meta.strides, offset, meta.dtype)
 
 
+def _inplace_view_handler(view_op):
+    """transpose_, squeeze_, as_strided_, ...: the tensor itself becomes the view."""
+
+    def handler(func, args, kwargs):
+        x = args[0]
+        view = dispatch(view_op, args, kwargs)
+        _restride(x, view.shape, view.stride(), view.storage_offset())
+        x._chain, x._meta = view._chain, view._meta
+        return x
+
+    return handler
+
+
+def _restride(x: TPUTensor, shape, strides, offset: int) -> None:
+    """Change the sizes and strides torch sees for ``x`` (its TensorImpl), bypassing
+    ``__torch_dispatch__``: torch's generic as_strided_ kernel does exactly that."""
+    with torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(torch._C.DispatchKey.Python)):
+        aten.as_strided_.default(x, tuple(shape), tuple(strides), offset)
+
+
 def _same_storage(func, args, kwargs):
     """detach, alias, lift_fresh: a new tensor object on the same data, same view."""
     x = args[0]
@@ -293,13 +339,23 @@ def _allocate(func, args, kwargs):
 
 
 def _resize_(func, args, kwargs):
-    x, size = args[0], args[1]
-    if tuple(x.shape) == tuple(size):
+    """resize_ (also how ``out=`` tensors of the wrong size are resized): the tensor
+    gets a new storage of the new size, keeping its leading values as torch does.
+    Other views of the old storage no longer alias it."""
+    x, size = args[0], tuple(args[1])
+    memory_format = kwargs.get("memory_format") or (args[2] if len(args) > 2 else None)
+    if tuple(x.shape) == size and memory_format in (None, torch.contiguous_format, torch.preserve_format):
         return x
-    raise RuntimeError(
-        f"{func}: cannot resize a tpu tensor from {tuple(x.shape)} to {tuple(size)}; "
-        "tpu tensors have fixed shapes (pass an out= tensor of the right shape)"
-    )
+    meta = torch.empty(size, dtype=x.dtype, device="meta", memory_format=memory_format or torch.contiguous_format)
+    from torchtpu.tensor import empty_tensor
+
+    fresh = empty_tensor(size, meta.stride(), x.dtype, x._storage.device_index)
+    keep = min(x.numel(), fresh.numel())
+    if keep and x._storage.array is not None:
+        fresh.view(-1)[:keep].copy_(x.reshape(-1)[:keep])
+    _restride(x, size, meta.stride(), 0)
+    x._storage, x._chain, x._meta = fresh._storage, fresh._chain, fresh._meta
+    return x
 
 
 def _no_op_false(func, args, kwargs):

@@ -73,6 +73,18 @@ class TPUTensor(torch.Tensor):
             from torchtpu.dispatch import dispatch as _dispatch
         return _dispatch(func, args, kwargs or {})
 
+    # ``t.data = new`` swaps torch's metadata in C++; the data must follow. (nn.Module
+    # conversions such as ``model.half()`` assign ``param.data`` this way.)
+    @property
+    def data(self):
+        return torch._C.TensorBase.data.__get__(self)
+
+    @data.setter
+    def data(self, new):
+        torch._C.TensorBase.data.__set__(self, new)
+        if isinstance(new, TPUTensor):
+            self._storage, self._chain, self._meta = new._storage, new._chain, new._meta
+
     # -- reading values ---------------------------------------------------------------
 
     def numpy(self, *, force: bool = False):
@@ -81,6 +93,9 @@ class TPUTensor(torch.Tensor):
                 "Can't call numpy() on Tensor that requires grad. Use tensor.detach().numpy() instead."
             )
         return self.detach().cpu().numpy()
+
+    def tolist(self):
+        return self.detach().cpu().tolist()
 
     def __array__(self, dtype=None, copy=None):
         array = self.numpy(force=True)

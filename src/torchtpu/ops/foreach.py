@@ -124,12 +124,12 @@ def _foreach_copy(self, src, non_blocking=False):
     return [jnp.broadcast_to(cast(s, x.dtype), x.shape) for x, s in zip(self, src)]
 
 
-@lowers(aten._foreach_norm.Scalar)
+@lowers(aten._foreach_norm.Scalar, static=("ord",))
 def _foreach_norm(self, ord=2, dtype=None):
     return [reduction.linalg_vector_norm(x, ord) for x in self]
 
 
-@lowers(aten._foreach_powsum.Scalar)
+@lowers(aten._foreach_powsum.Scalar, static=("ord",))
 def _foreach_powsum(self, ord=2, dtype=None):
     return [jnp.sum(jnp.abs(_opmath(x)) ** ord) for x in self]
 

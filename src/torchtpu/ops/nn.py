@@ -667,3 +667,65 @@ def huber_loss(self, target, reduction=_MEAN, delta=1.0):
     diff = jnp.abs(self - target)
     loss = jnp.where(diff < delta, 0.5 * diff * diff, delta * (diff - 0.5 * delta))
     return _reduce(loss, reduction)
+
+
+# -- fused recurrent cells (torch's LSTM/GRU use these on accelerator devices) --------------------
+
+
+def _sigmoid_grad(y):
+    return y * (1 - y)
+
+
+@lowers(aten._thnn_fused_lstm_cell.default)
+def _thnn_fused_lstm_cell(input_gates, hidden_gates, cx, input_bias=None, hidden_bias=None):
+    gates = input_gates + hidden_gates
+    if input_bias is not None:
+        gates = gates + input_bias + hidden_bias
+    i, f, g, o = jnp.split(gates, 4, axis=1)
+    i, f, g, o = jax.nn.sigmoid(i), jax.nn.sigmoid(f), jnp.tanh(g), jax.nn.sigmoid(o)
+    cy = f * cx + i * g
+    hy = o * jnp.tanh(cy)
+    # The workspace keeps the activated gates for the backward.
+    return hy, cy, jnp.concatenate([i, f, g, o], axis=1)
+
+
+@lowers(aten._thnn_fused_lstm_cell_backward_impl.default)
+def _thnn_fused_lstm_cell_backward_impl(grad_hy, grad_cy, cx, cy, workspace, has_bias):
+    i, f, g, o = jnp.split(workspace, 4, axis=1)
+    tanh_cy = jnp.tanh(cy)
+    d_hy = jnp.zeros_like(cy) if grad_hy is None else grad_hy
+    d_cy = (jnp.zeros_like(cy) if grad_cy is None else grad_cy) + d_hy * o * (1 - tanh_cy * tanh_cy)
+    grad_gates = jnp.concatenate(
+        [d_cy * g * _sigmoid_grad(i), d_cy * cx * _sigmoid_grad(f), d_cy * i * (1 - g * g), d_hy * tanh_cy * _sigmoid_grad(o)],
+        axis=1,
+    )
+    grad_bias = jnp.sum(grad_gates, axis=0) if has_bias else None
+    return grad_gates, d_cy * f, grad_bias
+
+
+@lowers(aten._thnn_fused_gru_cell.default)
+def _thnn_fused_gru_cell(input_gates, hidden_gates, hx, input_bias=None, hidden_bias=None):
+    if input_bias is not None:
+        input_gates = input_gates + input_bias
+        hidden_gates = hidden_gates + hidden_bias
+    i_r, i_z, i_n = jnp.split(input_gates, 3, axis=1)
+    h_r, h_z, h_n = jnp.split(hidden_gates, 3, axis=1)
+    r = jax.nn.sigmoid(i_r + h_r)
+    z = jax.nn.sigmoid(i_z + h_z)
+    n = jnp.tanh(i_n + r * h_n)
+    hy = n + z * (hx - n)
+    return hy, jnp.concatenate([r, z, n, hx, h_n], axis=1)
+
+
+@lowers(aten._thnn_fused_gru_cell_backward.default)
+def _thnn_fused_gru_cell_backward(grad_hy, workspace, has_bias):
+    r, z, n, hx, h_n = jnp.split(workspace, 5, axis=1)
+    d_n = grad_hy * (1 - z) * (1 - n * n)
+    d_z = grad_hy * (hx - n) * _sigmoid_grad(z)
+    d_r = d_n * h_n * _sigmoid_grad(r)
+    grad_input_gates = jnp.concatenate([d_r, d_z, d_n], axis=1)
+    grad_hidden_gates = jnp.concatenate([d_r, d_z, d_n * r], axis=1)
+    grad_hx = grad_hy * z
+    if has_bias:
+        return grad_input_gates, grad_hidden_gates, grad_hx, jnp.sum(grad_input_gates, 0), jnp.sum(grad_hidden_gates, 0)
+    return grad_input_gates, grad_hidden_gates, grad_hx, None, None

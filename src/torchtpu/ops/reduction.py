@@ -193,7 +193,7 @@ def count_nonzero(self, dim=None):
     return jnp.sum(self != 0, axis=_axes(self, dim), dtype=jnp.int64)
 
 
-@lowers(aten.linalg_vector_norm.default, compute_in_result=())
+@lowers(aten.linalg_vector_norm.default, static=("ord",))
 def linalg_vector_norm(self, ord=2, dim=None, keepdim=False, dtype=None):
     x = jnp.abs(self)
     if x.dtype in (jnp.float16, jnp.bfloat16):
