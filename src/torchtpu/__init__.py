@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import sys
 
-import optree
 import torch
 
 from torchtpu import config, device
-from torchtpu.fallback import TPUFallbackWarning
 from torchtpu.counters import metrics, metrics_report, reset_metrics
-from torchtpu.modes import EagerMode, set_eager_mode
+from torchtpu.fallback import TPUFallbackWarning
 from torchtpu.matmul_precision import Precision, precision
+from torchtpu.modes import EagerMode, set_eager_mode
 from torchtpu.tensor import TPUTensor
 
 __version__ = "0.1.0"
@@ -45,10 +44,6 @@ __all__ = [
 device.register()
 
 
-def _autoload() -> None:
-    """Entry point of the ``torch.backends`` group: importing this module registered the device."""
-
-
 def to_tpu(obj, device: str | int | torch.device = "tpu"):
     """Move tensors, modules, and any pytree of them (lists, dicts, tuples, ...) to tpu.
 
@@ -61,6 +56,8 @@ def to_tpu(obj, device: str | int | torch.device = "tpu"):
     target = torch.device("tpu", device) if isinstance(device, int) else torch.device(device)
     if target.type != "tpu":
         raise ValueError(f"to_tpu: expected a tpu device, got {target}")
+
+    import optree
 
     def move(leaf):
         if isinstance(leaf, (torch.Tensor, torch.nn.Module)):

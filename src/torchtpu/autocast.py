@@ -42,7 +42,11 @@ _library = None
 
 def _cast(value, dtype: torch.dtype):
     if isinstance(value, torch.Tensor):
-        if value.device.type == "tpu" and value.is_floating_point() and value.dtype is not torch.float64:
+        if (
+            value.device.type == "tpu"
+            and value.is_floating_point()
+            and value.dtype is not torch.float64
+        ):
             return value.to(dtype)
         return value
     if isinstance(value, (list, tuple)):
@@ -53,7 +57,9 @@ def _cast(value, dtype: torch.dtype):
 def _kernel(op, target):
     def kernel(*args, **kwargs):
         dtype = torch.get_autocast_dtype("tpu") if target is None else target
-        with torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastPrivateUse1)):
+        with torch._C._ExcludeDispatchKeyGuard(
+            torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastPrivateUse1)
+        ):
             return op(*_cast(args, dtype), **{k: _cast(v, dtype) for k, v in kwargs.items()})
 
     return kernel

@@ -43,3 +43,8 @@ cpu_async_dispatch: bool = _env_flag("TORCHTPU_CPU_ASYNC_DISPATCH", False)
 #: Deferred device-side checks (an index out of range) are checked at the latest when
 #: this many are pending, even without a read of values.
 max_pending_checks: int = int(os.environ.get("TORCHTPU_MAX_PENDING_CHECKS", "256"))
+
+#: Which OpInfo conformance cases the test suite runs: "ci" (float32 forward of every
+#: op and variant, in Strict) or "full" (every dtype, gradients, error inputs, every
+#: mode). ``python -m torchtpu.conformance`` always runs the full set.
+conformance_scope: str = os.environ.get("TORCHTPU_CONFORMANCE", "ci").strip().lower()

@@ -43,7 +43,11 @@ def metrics_report() -> str:
     for category in sorted(snapshot):
         lines.append(f"  {category}:")
         for name, value in sorted(snapshot[category].items(), key=lambda kv: (-kv[1], kv[0])):
-            shown = f"{value:.3f}" if isinstance(value, float) and not value.is_integer() else f"{int(value)}"
+            shown = (
+                f"{value:.3f}"
+                if isinstance(value, float) and not value.is_integer()
+                else f"{int(value)}"
+            )
             lines.append(f"    {name:<48} {shown}")
     return "\n".join(lines)
 

@@ -14,16 +14,15 @@ import types
 
 import torch
 
-from torchtpu import autocast, modes, rng
-from torchtpu.modes import EagerMode, set_eager_mode
+from torchtpu import autocast, dtypes, modes, rng
 from torchtpu.matmul_precision import Precision, precision
+from torchtpu.modes import EagerMode, set_eager_mode
 
 __all__ = [
     "EagerMode",
     "Precision",
     "current_device",
     "device_count",
-    "eager_mode",
     "get_device_name",
     "get_device_properties",
     "get_rng_state",
@@ -209,7 +208,9 @@ _FACTORIES = (
 _library = None
 
 
-def _empty_memory_format(size, *, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None):
+def _empty_memory_format(
+    size, *, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None
+):
     return _empty(size, None, dtype, device, memory_format)
 
 
@@ -222,9 +223,29 @@ def _empty(size, stride, dtype, device, memory_format):
 
     dtype = dtype or torch.get_default_dtype()
     if stride is None:
-        meta = torch.empty(size, dtype=dtype, device="meta", memory_format=memory_format or torch.contiguous_format)
+        meta = torch.empty(
+            size, dtype=dtype, device="meta", memory_format=memory_format or torch.contiguous_format
+        )
         stride = meta.stride()
     return empty_tensor(tuple(size), tuple(stride), dtype, _index(device))
+
+
+# Allocations of a quantized dtype (``torch.empty(2, dtype=torch.quint8, device="tpu")``,
+# ``qtensor.to("tpu")``) go to the QuantizedPrivateUse1 key, where torch alone would only
+# say that the "Quantizedtpu" backend lacks the op. tpu tensors hold no quantized dtype;
+# say so, naming it, as for every other unsupported dtype.
+_QUANTIZED_ALLOCATIONS = (
+    "empty.memory_format",
+    "empty_strided",
+    "empty_quantized",
+    "_empty_affine_quantized",
+    "_empty_per_channel_affine_quantized",
+)
+
+
+def _quantized_allocation(*args, **kwargs):
+    # torch reaches this key only from a quantized ``dtype``, which it always passes.
+    dtypes.check_supported(kwargs["dtype"])
 
 
 def _copy_from(self, dst, non_blocking=False):
@@ -256,6 +277,8 @@ def register() -> None:
     _library.impl("empty.memory_format", _empty_memory_format, "PrivateUse1")
     _library.impl("empty_strided", _empty_strided, "PrivateUse1")
     _library.impl("_copy_from", _copy_from, "PrivateUse1")
+    for name in _QUANTIZED_ALLOCATIONS:
+        _library.impl(name, _quantized_allocation, "QuantizedPrivateUse1")
     for name in _FACTORIES:
         packet, _, overload = name.partition(".")
         op = getattr(getattr(torch.ops.aten, packet), overload or "default")

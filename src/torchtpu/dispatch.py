@@ -8,7 +8,8 @@ For each op overload, once, a *handler* is chosen (`_choose`), in this order:
    any other op runs as a compiled plan (plans.py);
 3. for a mutating op (``add_``, ``add.out``, ``_foreach_mul_``), the lowering of its
    functional variant, with the write-back compiled into the same function;
-4. a decomposition from ``torch._decomp`` into ops that have lowerings;
+4. a decomposition: torch's own CompositeImplicitAutograd definition, else one from
+   ``torch._decomp``, into ops that have lowerings;
 5. for a mutating op, its functional variant's decomposition followed by ``copy_``;
 6. the CPU fallback (fallback.py): counted, warned once per op, or an error.
 """
@@ -43,7 +44,12 @@ def dispatch(func, args, kwargs):
 # Ops taking a list of indices, where torch turns a boolean mask into the integer
 # indices of its True elements before indexing. That count depends on values, so it
 # happens here, op by op (nonzero), and the op itself stays compiled.
-_TAKES_INDICES = {aten.index.Tensor, aten.index_put.default, aten.index_put_.default, aten._index_put_impl_.default}
+_TAKES_INDICES = {
+    aten.index.Tensor,
+    aten.index_put.default,
+    aten.index_put_.default,
+    aten._index_put_impl_.default,
+}
 
 
 def _integer_indices(handler):
@@ -77,6 +83,10 @@ def _choose(func):
         if TABLE[functional].view:
             return _inplace_view_handler(functional)
         return _lowered_handler(info, TABLE[functional])
+    if torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "CompositeImplicitAutograd"):
+        # Ops torch defines in terms of other ops (reshape, linear, ...) reach us only
+        # when called from inside a dispatch; their own definition is the decomposition.
+        return _decomposed_handler(func.decompose)
     decomposition = _decompositions().get(func)
     if decomposition is not None:
         return _decomposed_handler(decomposition)
@@ -97,7 +107,13 @@ def _lowered_handler(info, lowering):
         mode = modes.current()
         counters.count("ops", mode.value)
         values = info.bind(args, kwargs)
-        return plans.run(op, lowering, info, values, debug=mode is modes.EagerMode.DEFER_NEVER_AND_LAUNCH_BLOCKING)
+        return plans.run(
+            op,
+            lowering,
+            info,
+            values,
+            debug=mode is modes.EagerMode.DEFER_NEVER_AND_LAUNCH_BLOCKING,
+        )
 
     return handler
 
@@ -191,7 +207,10 @@ def _plan_view(op, info, x, values, static) -> list:
     except Exception as exc:
         raise name_op(exc, op) from None
     if isinstance(out, (list, tuple)):
-        return [(False, ViewStep(op, static, i), _out_meta(o), o.storage_offset()) for i, o in enumerate(out)]
+        return [
+            (False, ViewStep(op, static, i), _out_meta(o), o.storage_offset())
+            for i, o in enumerate(out)
+        ]
     return [(False, ViewStep(op, static, None), _out_meta(out), out.storage_offset())]
 
 
@@ -208,6 +227,14 @@ def _plan_as_strided(op, x, static):
     for n in s.shape:
         numel *= n
     extent = 1 + sum((n - 1) * st for n, st in zip(s.shape, s.strides) if n > 0) if numel else 0
+    needed = 1 + offset + sum((n - 1) * st for n, st in zip(size, stride)) if all(size) else 0
+    if needed > extent:  # meta tensors do not check this; torch's CPU kernel does
+        itemsize = torch.empty((), dtype=s.dtype).element_size()
+        raise RuntimeError(
+            f"{op}: setStorage: sizes {list(size)}, strides {list(stride)}, storage offset {offset}, "
+            f"and itemsize {itemsize} requiring a storage size of {needed * itemsize} are out of "
+            f"bounds for storage of size {extent * itemsize}"
+        )
     try:
         out = torch.empty(extent, dtype=s.dtype, device="meta").as_strided(size, stride, offset)
     except Exception as exc:
@@ -253,6 +280,7 @@ def _same_storage(func, args, kwargs):
 
 # -- data movement and reading values ------------------------------------------------------
 
+
 def _to_copy(func, args, kwargs):
     x = args[0]
     device = kwargs.get("device")
@@ -262,9 +290,14 @@ def _to_copy(func, args, kwargs):
         memory_format = kwargs.get("memory_format")
         out = host.to(dtype=dtype)
         if memory_format not in (None, torch.preserve_format):
-            out = out.contiguous(memory_format=memory_format)
-        elif not x.is_contiguous():
-            out = torch.empty_strided(x.shape, x.stride(), dtype=dtype).copy_(out)
+            return out.contiguous(memory_format=memory_format)
+        # preserve_format keeps dense layouts (a transpose) and makes others (an
+        # expand) contiguous: ask torch which strides that gives.
+        strides = torch.empty_like(
+            torch.empty_strided(x.shape, x.stride(), dtype=dtype, device="meta")
+        ).stride()
+        if strides != out.stride():
+            out = torch.empty_strided(x.shape, strides, dtype=dtype).copy_(out)
         return out
     if device is not None:
         target = torch.device(device)
@@ -304,12 +337,28 @@ def _copy_(func, args, kwargs):
         # tpu -> cpu
         host = to_host(materialize(src))
         return dst.copy_(host)
+    whole = (
+        not dst._chain
+        and tuple(dst.shape) == tuple(src.shape)
+        and tuple(dst.shape) == dst._storage.shape
+    )
     if not isinstance(src, TPUTensor):
+        if whole:
+            # The common `cpu_tensor.to("tpu")`: the transferred array becomes the base,
+            # nothing to compile. (The host does the dtype conversion, as torch would.)
+            dst._storage.set(to_device(src.to(dst.dtype), dst._storage.device_index))
+            return dst
         src = from_cpu(src, dst._storage.device_index)
     elif src._storage.device_index != dst._storage.device_index:
         src = _move(src, dst._storage.device_index)
+    if whole and src.dtype == dst.dtype and src._storage.array is not None:
+        # JAX arrays are immutable: the destination can share the source's value.
+        dst._storage.set(materialize(src))
+        return dst
     info = schema.info(func)
-    return _lowered_handler(info, TABLE[aten.copy.default])(func, (dst, src) + tuple(args[2:]), kwargs)
+    return _lowered_handler(info, TABLE[aten.copy.default])(
+        func, (dst, src) + tuple(args[2:]), kwargs
+    )
 
 
 def _local_scalar_dense(func, args, kwargs):
@@ -344,9 +393,15 @@ def _resize_(func, args, kwargs):
     Other views of the old storage no longer alias it."""
     x, size = args[0], tuple(args[1])
     memory_format = kwargs.get("memory_format") or (args[2] if len(args) > 2 else None)
-    if tuple(x.shape) == size and memory_format in (None, torch.contiguous_format, torch.preserve_format):
+    if tuple(x.shape) == size and memory_format in (
+        None,
+        torch.contiguous_format,
+        torch.preserve_format,
+    ):
         return x
-    meta = torch.empty(size, dtype=x.dtype, device="meta", memory_format=memory_format or torch.contiguous_format)
+    meta = torch.empty(
+        size, dtype=x.dtype, device="meta", memory_format=memory_format or torch.contiguous_format
+    )
     from torchtpu.tensor import empty_tensor
 
     fresh = empty_tensor(size, meta.stride(), x.dtype, x._storage.device_index)
@@ -368,13 +423,33 @@ def _identity(func, args, kwargs):
 
 def _set_source_tensor(func, args, kwargs):
     dst, src = args[0], args[1]
-    if not isinstance(src, TPUTensor) or tuple(dst.shape) != tuple(src.shape) or dst.dtype != src.dtype:
-        raise RuntimeError(f"{func}: tpu tensors can only be set_ to a tpu tensor of the same shape and dtype")
+    if (
+        not isinstance(src, TPUTensor)
+        or tuple(dst.shape) != tuple(src.shape)
+        or dst.dtype != src.dtype
+    ):
+        raise RuntimeError(
+            f"{func}: tpu tensors can only be set_ to a tpu tensor of the same shape and dtype"
+        )
     dst._storage, dst._chain, dst._meta = src._storage, src._chain, src._meta
     return dst
 
 
+def _native_batch_norm(func, args, kwargs):
+    """native_batch_norm updates the running stats in place although its schema does
+    not say so; _native_batch_norm_legit is the same op with an honest schema."""
+    input, weight, bias, running_mean, running_var, training, momentum, eps = schema.info(
+        func
+    ).bind(args, kwargs)
+    if running_mean is None:
+        return aten._native_batch_norm_legit.no_stats(input, weight, bias, training, momentum, eps)
+    return aten._native_batch_norm_legit.default(
+        input, weight, bias, running_mean, running_var, training, momentum, eps
+    )
+
+
 _SPECIAL = {
+    aten.native_batch_norm.default: _native_batch_norm,
     aten._to_copy.default: _to_copy,
     aten.copy_.default: _copy_,
     aten._local_scalar_dense.default: _local_scalar_dense,

@@ -13,7 +13,11 @@ _LIBRARY_DIRS = (_PACKAGE_DIR + os.sep, _TORCH_DIR + os.sep)
 
 
 def _is_library(filename: str) -> bool:
-    return filename.startswith(_LIBRARY_DIRS) or "/site-packages/jax" in filename or filename.startswith("<frozen")
+    return (
+        filename.startswith(_LIBRARY_DIRS)
+        or "/site-packages/jax" in filename
+        or filename.startswith("<frozen")
+    )
 
 
 def user_frame() -> str:
@@ -25,6 +29,19 @@ def user_frame() -> str:
             return f"{filename}:{frame.f_lineno} in {frame.f_code.co_name}"
         frame = frame.f_back
     return "<unknown>"
+
+
+def user_stacklevel() -> int:
+    """The ``stacklevel`` that makes a warning issued by our caller point at user code."""
+    frame = sys._getframe(2)
+    level = 2
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        if not _is_library(os.path.abspath(filename) if not filename.startswith("<") else filename):
+            return level
+        frame = frame.f_back
+        level += 1
+    return 2
 
 
 def describe(values) -> str:

@@ -15,6 +15,7 @@ import torch
 from torch.utils._pytree import tree_map
 
 from torchtpu import config, counters
+from torchtpu.errors import user_stacklevel
 
 
 class TPUFallbackWarning(UserWarning):
@@ -42,7 +43,7 @@ def run_on_cpu(func, args, kwargs):
             f"torchtpu: {func} has no tpu lowering; it runs on the CPU, copying its inputs "
             "to the host and back (slow). See torchtpu.metrics()['fallback'].",
             TPUFallbackWarning,
-            stacklevel=3,
+            stacklevel=user_stacklevel(),
         )
 
     device = None

@@ -73,12 +73,17 @@ class Signature:
             if kind is Kind.TENSOR:
                 spec.append(self._tensor(value, info.op))
             elif kind is Kind.TENSOR_LIST:
-                spec.append(None if value is None else ("l", tuple(self._tensor(v, info.op) for v in value)))
+                spec.append(
+                    None if value is None else ("l", tuple(self._tensor(v, info.op) for v in value))
+                )
             elif (
                 kind is Kind.SCALAR
                 and value is not None
                 and arg.name not in static_scalars
-                and not (value is arg.default or (type(value) is type(arg.default) and value == arg.default))
+                and not (
+                    value is arg.default
+                    or (type(value) is type(arg.default) and value == arg.default)
+                )
             ):
                 # A traced input, so a new value (a learning rate) never recompiles. The
                 # schema's default (alpha=1) stays static: it is rarely anything else.
@@ -89,9 +94,7 @@ class Signature:
                 spec.append(("sl", tuple(type(v) for v in value)))
             else:
                 spec.append(("v", _hashable(value)))
-        slots = tuple(
-            None if s.array is not None else (s.shape, s.dtype) for s in self.storages
-        )
+        slots = tuple(None if s.array is not None else (s.shape, s.dtype) for s in self.storages)
         self.spec = (tuple(spec), slots)
 
     def _tensor(self, t, op):
@@ -131,6 +134,8 @@ class Signature:
 
 
 def _hashable(value):
+    if isinstance(value, torch.dtype) and value not in dtypes.SUPPORTED:
+        dtypes.check_supported(value, "result")
     if isinstance(value, list):
         return tuple(_hashable(v) for v in value)
     if isinstance(value, torch.device) and value.type == "tpu":
@@ -154,21 +159,22 @@ class Plan:
         "check_infos",
         "random",
         "compiled",
+        "reads_arrays",
+        "fn",
     )
 
-    def run(self, sig: Signature, debug: bool):
+    def run(self, sig: Signature, device: int, debug: bool):
         args = list(sig.arrays)
         args.extend(sig.scalars)
-        device = sig.device if sig.device is not None else 0
         if self.random:
             args.extend(rng.take(device))
         if not self.compiled:
             start = time.perf_counter()
-            flat = self.call(*args)
+            flat = self._call(args, device)
             self.compiled = True
             counters.count("compile_seconds", "op", time.perf_counter() - start)
         else:
-            flat = self.call(*args)
+            flat = self._call(args, device)
         if debug:
             jax().block_until_ready(flat)
         n_out = len(self.outputs)
@@ -180,8 +186,20 @@ class Plan:
             else:
                 from torchtpu.errors import user_frame
 
-                checks.defer(flags, self.check_infos, f"raised by {self.op} called from {user_frame()}")
+                checks.defer(
+                    flags, self.check_infos, f"raised by {self.op} called from {user_frame()}"
+                )
         return flat[:n_out], flat[n_out : n_out + n_written]
+
+    def _call(self, args, device: int):
+        if device != 0 and not self.reads_arrays:
+            # Nothing to infer a device from (a factory, an uninitialised storage):
+            # run on the op's device rather than JAX's default.
+            from torchtpu.runtime import device as jax_device
+
+            with jax().default_device(jax_device(device)):
+                return self.call(*args)
+        return self.call(*args)
 
 
 _PLANS: dict = {}
@@ -193,20 +211,27 @@ def run(op, lowering, info: SchemaInfo, values: list, debug: bool):
         return _run_dynamic(op, lowering, info, values)
     static = lowering.static
     sig = Signature(info, values, static)
-    key = (op, lowering.op, sig.spec, _precision.current() if lowering.precision else None)
+    # The default dtype decides the dtype of factories and of float scalars' promotion.
+    key = (
+        op,
+        lowering.op,
+        sig.spec,
+        torch.get_default_dtype(),
+        _precision.current() if lowering.precision else None,
+    )
     plan = _PLANS.get(key)
     if plan is None:
         counters.count("op_cache", "miss")
         plan = _PLANS[key] = _build(op, lowering, info, sig)
     else:
         counters.count("op_cache", "hit")
+    device = sig.device if sig.device is not None else _factory_device(info, values)
     try:
-        outputs, bases = plan.run(sig, debug)
+        outputs, bases = plan.run(sig, device, debug)
     except Exception as exc:
         raise add_context(exc, op, values) from None
     for slot, base in zip(plan.written_slots, bases):
         sig.storages[slot].set(base)
-    device = sig.device if sig.device is not None else _factory_device(info, values)
     return _assemble(plan, values, outputs, device)
 
 
@@ -230,11 +255,10 @@ def _run_dynamic(op, lowering, info: SchemaInfo, values: list):
     except Exception as exc:
         raise add_context(exc, op, values) from None
     device = sig.device if sig.device is not None else _factory_device(info, values)
-    outputs = iter(_flatten_result(result))
     results = []
-    for r in info.returns:
-        array = next(outputs)
-        results.append(wrap(array, OutMeta(tuple(array.shape), _contiguous(array.shape), dtypes.to_torch(array.dtype)), device))
+    for array in _flatten_result(result)[: len(info.returns)]:
+        meta = OutMeta(tuple(array.shape), _contiguous(array.shape), dtypes.to_torch(array.dtype))
+        results.append(wrap(array, meta, device))
     return results[0] if len(results) == 1 else tuple(results)
 
 
@@ -262,7 +286,14 @@ def materialize(t: TPUTensor):
                 return storage.read(base, chain)
 
         reader = _READERS[key] = jax().jit(read)
-    return reader() if s.array is None else reader(s.array)
+    if s.array is None:
+        if s.device_index != 0:
+            from torchtpu.runtime import device as jax_device
+
+            with jax().default_device(jax_device(s.device_index)):
+                return reader()
+        return reader()
+    return reader(s.array)
 
 
 def _factory_device(info: SchemaInfo, values: list) -> int:
@@ -367,11 +398,42 @@ def _run_meta(op, info: SchemaInfo, margs: list):
     try:
         return op(*args, **kwargs)
     except NotImplementedError as exc:
-        if "Meta" in str(exc) or "meta" in str(exc):
+        # Only a missing Meta kernel means "no oracle"; anything else (a quantized
+        # dtype, an unsupported combination) is torch's answer for this input.
+        if "'Meta' backend" in str(exc) or "no fake impl or Meta kernel" in str(exc):
             return None
-        raise name_op(exc, op) from None
+        raise name_op(_as_on_cpu(op, args, kwargs, exc), op) from None
     except Exception as exc:
-        raise name_op(exc, op) from None
+        raise name_op(_as_on_cpu(op, args, kwargs, exc), op) from None
+
+
+# Meta kernels sometimes reject bad input with another exception type than the CPU
+# kernels (RuntimeError for IndexError). Below this many elements, the rejected call
+# is replayed on CPU zeros to raise what the CPU raises.
+_CPU_REPLAY_ELEMENTS = 1 << 20
+
+
+def _as_on_cpu(op, args, kwargs, meta_error: Exception) -> Exception:
+    """The exception the CPU kernel raises for this call, or ``meta_error``."""
+    leaves = [
+        t for t in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)
+    ]
+    if sum(t.numel() for t in leaves) > _CPU_REPLAY_ELEMENTS:
+        return meta_error
+
+    def on_cpu(value):
+        if isinstance(value, torch.Tensor):
+            return torch.zeros_like(value, device="cpu")
+        if isinstance(value, torch.device) and value.type == "meta":
+            return torch.device("cpu")
+        return value
+
+    cpu_args, cpu_kwargs = torch.utils._pytree.tree_map(on_cpu, (args, kwargs))
+    try:
+        op(*cpu_args, **cpu_kwargs)
+    except Exception as cpu_error:
+        return cpu_error
+    return meta_error
 
 
 def _out_meta(t: torch.Tensor) -> OutMeta:
@@ -382,6 +444,12 @@ def _out_meta(t: torch.Tensor) -> OutMeta:
 
 def _contiguous(shape) -> tuple:
     return storage._contiguous_strides(tuple(shape))
+
+
+# In-place ops torch lets write into an expanded tensor (no internal-overlap check).
+_WRITES_EXPANDED = frozenset(
+    {torch.ops.aten.fill_.Scalar, torch.ops.aten.fill_.Tensor, torch.ops.aten.zero_.default}
+)
 
 
 def _build(op, lowering, info: SchemaInfo, sig: Signature) -> Plan:
@@ -397,8 +465,10 @@ def _build(op, lowering, info: SchemaInfo, sig: Signature) -> Plan:
     returns: list = []
     outputs: list = []
     meta_returns = (
-        list(meta_out) if isinstance(meta_out, tuple) else [meta_out]
-    ) if meta_out is not None else [None] * len(info.returns)
+        (list(meta_out) if isinstance(meta_out, tuple) else [meta_out])
+        if meta_out is not None
+        else [None] * len(info.returns)
+    )
 
     def new_output(meta):
         outputs.append(meta)
@@ -436,7 +506,9 @@ def _build(op, lowering, info: SchemaInfo, sig: Signature) -> Plan:
         promoting = lowering.promote_args
         if promoting is None:
             promoting = tuple(
-                a.name for a in low_info.args if a.kind in (Kind.TENSOR, Kind.SCALAR) and a.name != "alpha"
+                a.name
+                for a in low_info.args
+                if a.kind in (Kind.TENSOR, Kind.SCALAR) and a.name != "alpha"
             )
         operands = []
         for n in promoting:
@@ -476,6 +548,7 @@ def _build(op, lowering, info: SchemaInfo, sig: Signature) -> Plan:
                 written.append(slot)
     plan.written_slots = written
     precision = _precision.lax_precision(_precision.current()) if lowering.precision else None
+    check_overlap = op not in _WRITES_EXPANDED
 
     def fn(*flat):
         counters.count("compiles", "op")
@@ -538,11 +611,13 @@ def _build(op, lowering, info: SchemaInfo, sig: Signature) -> Plan:
                 target = sig.values[t[1]] if t[2] is None else sig.values[t[1]][t[2]]
                 slot = sig.slot_of[id(target._storage)]
                 v = jnp.broadcast_to(cast(v, dtypes.to_jax(target.dtype)), tuple(target.shape))
-                bases[slot] = storage.write(bases[slot], target._chain, v)
+                bases[slot] = storage.write(bases[slot], target._chain, v, check_overlap)
         return (*new, *(bases[s] for s in written), *(flag for flag, _, _ in collected))
 
     if any(o is _UNKNOWN for o in outputs):
         _fill_from_eval_shape(fn, plan, sig, outputs)
+    plan.fn = fn
+    plan.reads_arrays = n_arrays > 0
     plan.call = jax().jit(fn)
     return plan
 

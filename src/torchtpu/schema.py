@@ -113,7 +113,11 @@ def info(op: torch._ops.OpOverload) -> SchemaInfo:
             aliases_input = aliases_input or aliased is not None
         k = _kind(r.type)
         returns.append(
-            Return(is_tensor=k in (Kind.TENSOR, Kind.TENSOR_LIST), is_list=k is Kind.TENSOR_LIST, aliases=aliased)
+            Return(
+                is_tensor=k in (Kind.TENSOR, Kind.TENSOR_LIST),
+                is_list=k is Kind.TENSOR_LIST,
+                aliases=aliased,
+            )
         )
     mutable = tuple(i for i, a in enumerate(args) if a.mutable)
     return SchemaInfo(

@@ -8,8 +8,17 @@ device) and routes every aten op to ``__torch_dispatch__``; the data lives in a
 
 from __future__ import annotations
 
+import copy
+
 import torch
-from torch._tensor_str import PRINT_OPTS, _add_suffixes, _tensor_str
+from torch._tensor_str import (
+    PRINT_OPTS,
+    _add_suffixes,
+    _Formatter,
+    _tensor_str,
+    _tensor_str_with_formatter,
+    get_summarized_data,
+)
 
 from torchtpu import dtypes
 from torchtpu.storage import Storage, ViewChain
@@ -98,13 +107,62 @@ class TPUTensor(torch.Tensor):
         return self.detach().cpu().tolist()
 
     def __array__(self, dtype=None, copy=None):
-        array = self.numpy(force=True)
-        return array if dtype is None else array.astype(dtype)
+        # As torch's own: refuses a tensor that requires grad, like a CPU one. The array
+        # is a fresh host copy, so ``copy`` asks nothing more of it.
+        array = self.numpy()
+        return array if dtype is None else array.astype(dtype, copy=False)
+
+    def __format__(self, format_spec: str) -> str:
+        # torch formats a 0-d tensor as its number (``f"{loss:.4f}"``) only when its type
+        # is exactly Tensor; a tpu tensor must do the same (torch's printer relies on it).
+        if self.dim() == 0:
+            return self.detach().item().__format__(format_spec)
+        return object.__format__(self, format_spec)
 
     def __repr__(self, *, tensor_contents=None) -> str:
         return _repr(self)
 
-    # -- pickling -----------------------------------------------------------------------
+    # -- copying and pickling -----------------------------------------------------------
+
+    # The attributes that say where the data is; everything else in __dict__ is copied as is.
+    _DATA_FIELDS = frozenset(("_storage", "_chain", "_meta"))
+
+    def __deepcopy__(self, memo):
+        # torch's default would copy a wrapper subclass through its (empty, fake) storage
+        # whenever data_ptr() is nonzero, as it is for a view with an offset (``x[1:]``):
+        # a segfault. Copying a Storage cell is cheap instead: the new cell holds the same
+        # JAX array, which is immutable (a later write to either tensor rebinds only its
+        # own cell). ``memo`` maps each Storage to its copy, so tensors that alias in the
+        # original alias in the copy, as in torch's deepcopy of CPU tensors.
+        if id(self) in memo:
+            return memo[id(self)]
+        if not self.is_leaf:
+            raise RuntimeError(
+                "Only Tensors created explicitly by the user "
+                "(graph leaves) support the deepcopy protocol at the moment.  "
+                "If you were attempting to deepcopy a module, this may be because "
+                "of a torch.nn.utils.weight_norm usage, "
+                "see https://github.com/pytorch/pytorch/pull/103001"
+            )
+        old = self._storage
+        storage = memo.get(id(old))
+        if storage is None:
+            storage = memo[id(old)] = Storage(
+                old.array, old.shape, old.strides, old.dtype, old.device_index
+            )
+        new = TPUTensor(storage, self._chain, *self._meta[:4])
+        if getattr(self, "_is_param", False):
+            # As nn.Parameter.__deepcopy__: a Parameter of the copied data, no grad.
+            new = torch.nn.Parameter(new, self.requires_grad)
+        else:
+            new.requires_grad_(self.requires_grad)
+            if self.grad is not None:
+                new.grad = copy.deepcopy(self.grad, memo)
+            for name, value in self.__dict__.items():
+                if name not in self._DATA_FIELDS:
+                    setattr(new, name, copy.deepcopy(value, memo))
+        memo[id(self)] = new
+        return new
 
     def __reduce_ex__(self, protocol):
         # Save the values, not the Storage object: a loaded tensor is a fresh tpu tensor.
@@ -133,6 +191,11 @@ class _Reduced:
         return self._reduce_tuple
 
 
+# Up to this size a summarised tensor is printed from one copy of all of it: that costs
+# less than compiling the ops that gather its edges on the device (~0.1 s each).
+_REPR_HOST_COPY_BYTES = 16 << 20
+
+
 def _repr(t: TPUTensor) -> str:
     """PyTorch's text for the same tensor on the CPU, with ``device='tpu:i'`` added.
 
@@ -157,12 +220,11 @@ def _repr(t: TPUTensor) -> str:
                 suffixes.append(f"size={tuple(t.shape)}")
             if not has_default_dtype:
                 suffixes.append(f"dtype={t.dtype}")
-            # Small tensors: one copy to the host. Large ones are summarised, and torch's
-            # printer only reads the edges, so let it walk the device tensor.
-            source = t.detach()
-            if t.numel() <= PRINT_OPTS.threshold:
-                source = source.cpu()
-            contents = _tensor_str(source, indent)
+            summarized = t.numel() > PRINT_OPTS.threshold
+            if summarized and t.numel() * t.element_size() > _REPR_HOST_COPY_BYTES:
+                contents = _summarized_str(t.detach(), indent)
+            else:
+                contents = _tensor_str(t.detach().cpu(), indent)
     try:
         grad_fn = t.grad_fn
         grad_fn_name = None if grad_fn is None else type(grad_fn).__name__
@@ -178,3 +240,28 @@ def _repr(t: TPUTensor) -> str:
     if getattr(t, "_is_param", False):
         text = "Parameter containing:\n" + text
     return text
+
+
+def _summarized_str(t: TPUTensor, indent: int) -> str:
+    """torch's summarised text ("...") for a tensor over the print threshold.
+
+    torch's printer reads only the first and last ``edgeitems`` entries of each long dim,
+    but walking a device tensor element by element costs an op (and a compile) per
+    entry. So gather those entries on the device and copy them to the host at once,
+    keeping one filler entry in the middle so each long dim stays longer than
+    ``2 * edgeitems`` and is still summarised; then format it as torch's ``_tensor_str``
+    does, with summarising forced (the small copy itself may be under the threshold).
+    """
+    edge = PRINT_OPTS.edgeitems
+    for dim, size in enumerate(t.shape):
+        if size > 2 * edge:
+            kept = [*range(edge), edge, *range(size - edge, size)]
+            t = t.index_select(dim, torch.tensor(kept, device=t.device))
+    host = t.cpu()
+    if host.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        host = host.half()
+    if host.dtype.is_complex:
+        real = _Formatter(get_summarized_data(host.real))
+        imag = _Formatter(get_summarized_data(host.imag))
+        return _tensor_str_with_formatter(host, indent, True, real, imag)
+    return _tensor_str_with_formatter(host, indent, True, _Formatter(get_summarized_data(host)))

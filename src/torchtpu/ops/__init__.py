@@ -8,7 +8,6 @@ from torchtpu.runtime import jax as _configure_jax
 
 _configure_jax()
 
-from torchtpu.ops.registry import TABLE, Lowering, aten, lowers  # noqa: E402
 from torchtpu.ops import (  # noqa: E402, F401  (each module registers its lowerings)
     elementwise,
     factories,
@@ -21,5 +20,6 @@ from torchtpu.ops import (  # noqa: E402, F401  (each module registers its lower
     shape,
     views,
 )
+from torchtpu.ops.registry import TABLE, Lowering, aten, lowers  # noqa: E402
 
 __all__ = ["TABLE", "Lowering", "aten", "lowers"]

@@ -70,7 +70,9 @@ def div(self, other):
     return self / other
 
 
-@lowers(aten.div.Tensor_mode, aten.div.Scalar_mode, promote="default", promote_args=("self", "other"))
+@lowers(
+    aten.div.Tensor_mode, aten.div.Scalar_mode, promote="default", promote_args=("self", "other")
+)
 def div_mode(self, other, rounding_mode=None):
     if rounding_mode is None:
         return self / other
@@ -86,13 +88,14 @@ def div_mode(self, other, rounding_mode=None):
 
 def _floor_divide_float(a, b):
     # torch's div_floor_floating: exact for representable quotients, where a plain
-    # floor(a / b) can be off by one.
+    # floor(a / b) can be off by one; a zero divisor gives a / b (inf or nan).
     mod = jnp.fmod(a, b)
     div = (a - mod) / b
     div = jnp.where((mod != 0) & ((b < 0) != (mod < 0)), div - 1, div)
     floored = jnp.floor(div)
     floored = jnp.where(div - floored > 0.5, floored + 1, floored)
-    return jnp.where(div == 0, jnp.copysign(jnp.zeros_like(div), a / b), floored).astype(a.dtype)
+    quotient = jnp.where(div == 0, jnp.copysign(jnp.zeros_like(div), a / b), floored)
+    return jnp.where(b == 0, a / b, quotient).astype(a.dtype)
 
 
 @lowers(aten.floor_divide.default, aten.floor_divide.Scalar, promote="default")
@@ -129,7 +132,11 @@ def pow_tensor_scalar(self, exponent):
         if exponent < 0 and _is_int(self):
             raise RuntimeError("Integers to negative integer powers are not allowed.")
         if exponent >= 0 or not _is_int(self):
-            return lax.integer_pow(self, exponent) if abs(exponent) <= 64 else jnp.power(self, exponent)
+            return (
+                lax.integer_pow(self, exponent)
+                if abs(exponent) <= 64
+                else jnp.power(self, exponent)
+            )
     if exponent == 0.5:
         return jnp.sqrt(self)
     return jnp.power(self, jnp.asarray(exponent, self.dtype))
@@ -138,7 +145,11 @@ def pow_tensor_scalar(self, exponent):
 @lowers(aten.pow.Tensor_Tensor, promote="bool_to_long")
 def pow_tensor_tensor(self, exponent):
     if _is_int(self):
-        error_if(jnp.any(exponent < 0), RuntimeError, "Integers to negative integer powers are not allowed.")
+        error_if(
+            jnp.any(exponent < 0),
+            RuntimeError,
+            "Integers to negative integer powers are not allowed.",
+        )
     return jnp.power(self, exponent)
 
 
@@ -180,7 +191,8 @@ def sign(self):
     if jnp.iscomplexobj(self):
         magnitude = jnp.abs(self)
         return jnp.where(magnitude == 0, 0, self / jnp.where(magnitude == 0, 1, magnitude))
-    return jnp.sign(self)
+    # torch's (0 < x) - (x < 0): NaN and -0.0 give 0, where jnp.sign keeps them.
+    return (self > 0).astype(self.dtype) - (self < 0).astype(self.dtype)
 
 
 @lowers(aten.signbit.default, promote="always_bool")
@@ -264,8 +276,12 @@ _FLOAT_UNARY = {
     aten.special_i1e.default: jsp.i1e,
     aten.special_ndtri.default: jsp.ndtri,
     aten.special_ndtr.default: jsp.ndtr,
-    aten.special_erfcx.default: jsp.erfcx if hasattr(jsp, "erfcx") else (lambda x: jnp.exp(x * x) * jsp.erfc(x)),
-    aten.special_entr.default: lambda x: jnp.where(x > 0, -x * jnp.log(x), jnp.where(x == 0, 0.0, -jnp.inf)),
+    aten.special_erfcx.default: jsp.erfcx
+    if hasattr(jsp, "erfcx")
+    else (lambda x: jnp.exp(x * x) * jsp.erfc(x)),
+    aten.special_entr.default: lambda x: jnp.where(
+        x > 0, -x * jnp.log(x), jnp.where(x == 0, 0.0, -jnp.inf)
+    ),
     aten.deg2rad.default: jnp.deg2rad,
     aten.rad2deg.default: jnp.rad2deg,
 }
@@ -495,23 +511,46 @@ def bitwise_not(self):
     return jnp.logical_not(self) if _is_bool(self) else jnp.bitwise_not(self)
 
 
-@lowers(aten.bitwise_left_shift.Tensor, aten.bitwise_left_shift.Tensor_Scalar, aten.__lshift__.Tensor, aten.__lshift__.Scalar, promote="default")
+@lowers(
+    aten.bitwise_left_shift.Tensor,
+    aten.bitwise_left_shift.Tensor_Scalar,
+    aten.__lshift__.Tensor,
+    aten.__lshift__.Scalar,
+    promote="default",
+)
 def left_shift(self, other):
     bits = jnp.iinfo(self.dtype).bits
-    return jnp.where((other < 0) | (other >= bits), 0, jnp.left_shift(self, jnp.clip(other, 0, bits - 1)))
+    return jnp.where(
+        (other < 0) | (other >= bits), 0, jnp.left_shift(self, jnp.clip(other, 0, bits - 1))
+    )
 
 
-@lowers(aten.bitwise_right_shift.Tensor, aten.bitwise_right_shift.Tensor_Scalar, aten.__rshift__.Tensor, aten.__rshift__.Scalar, promote="default")
+@lowers(
+    aten.bitwise_right_shift.Tensor,
+    aten.bitwise_right_shift.Tensor_Scalar,
+    aten.__rshift__.Tensor,
+    aten.__rshift__.Scalar,
+    promote="default",
+)
 def right_shift(self, other):
     bits = jnp.iinfo(self.dtype).bits
     shifted = jnp.right_shift(self, jnp.clip(other, 0, bits - 1))
-    return jnp.where((other < 0) | (other >= bits), jnp.where(self < 0, -1, 0).astype(self.dtype), shifted)
+    return jnp.where(
+        (other < 0) | (other >= bits), jnp.where(self < 0, -1, 0).astype(self.dtype), shifted
+    )
 
 
 # -- selection ---------------------------------------------------------------------------------
 
 
-@lowers(aten.where.self, aten.where.ScalarOther, aten.where.ScalarSelf, aten.where.Scalar, promote="no_opmath", promote_args=("self", "other"))
+@lowers(
+    aten.where.self,
+    aten.where.ScalarOther,
+    aten.where.ScalarSelf,
+    aten.where.Scalar,
+    promote="no_opmath",
+    promote_args=("self", "other"),
+)
 def where(condition, self, other):
     return jnp.where(condition, self, other)
 
@@ -522,9 +561,17 @@ def clamp(self, min=None, max=None):
         raise RuntimeError("torch.clamp: At least one of 'min' or 'max' must not be None")
     out = self
     if min is not None:
-        out = jnp.where(jnp.isnan(min), min, jnp.maximum(out, min)) if not _is_int(out) else jnp.maximum(out, min)
+        out = (
+            jnp.where(jnp.isnan(min), min, jnp.maximum(out, min))
+            if not _is_int(out)
+            else jnp.maximum(out, min)
+        )
     if max is not None:
-        out = jnp.where(jnp.isnan(max), max, jnp.minimum(out, max)) if not _is_int(out) else jnp.minimum(out, max)
+        out = (
+            jnp.where(jnp.isnan(max), max, jnp.minimum(out, max))
+            if not _is_int(out)
+            else jnp.minimum(out, max)
+        )
     return out
 
 
@@ -571,7 +618,15 @@ def addcdiv(self, tensor1, tensor2, value=1):
 
 
 @lowers(aten._to_copy.default)
-def _to_copy(self, dtype=None, layout=None, device=None, pin_memory=None, non_blocking=False, memory_format=None):
+def _to_copy(
+    self,
+    dtype=None,
+    layout=None,
+    device=None,
+    pin_memory=None,
+    non_blocking=False,
+    memory_format=None,
+):
     return self  # the dispatcher casts to torch's result dtype
 
 
@@ -644,12 +699,20 @@ def mish(self):
 
 @lowers(aten.sigmoid_backward.default, promote="default")
 def sigmoid_backward(grad_output, output):
-    return grad_output * output * (1 - output) if not jnp.iscomplexobj(output) else grad_output * jnp.conj(output * (1 - output))
+    return (
+        grad_output * output * (1 - output)
+        if not jnp.iscomplexobj(output)
+        else grad_output * jnp.conj(output * (1 - output))
+    )
 
 
 @lowers(aten.tanh_backward.default, promote="default")
 def tanh_backward(grad_output, output):
-    return grad_output * (1 - output * output) if not jnp.iscomplexobj(output) else grad_output * jnp.conj(1 - output * output)
+    return (
+        grad_output * (1 - output * output)
+        if not jnp.iscomplexobj(output)
+        else grad_output * jnp.conj(1 - output * output)
+    )
 
 
 @lowers(aten.leaky_relu.default, promote="default", promote_args=("self",))
@@ -668,10 +731,32 @@ def elu(self, alpha=1, scale=1, input_scale=1):
     return cast(scale, self.dtype) * jnp.where(self > 0, self, negative)
 
 
+@lowers(
+    aten.elu_backward.default, promote="default", promote_args=("grad_output", "self_or_result")
+)
+def elu_backward(grad_output, alpha, scale, input_scale, is_result, self_or_result):
+    dtype = grad_output.dtype
+    alpha, scale, input_scale = cast(alpha, dtype), cast(scale, dtype), cast(input_scale, dtype)
+    if is_result:
+        # From the output y = scale * alpha * (exp(x * input_scale) - 1), as torch does.
+        negative = input_scale * (self_or_result + alpha * scale)
+    else:
+        negative = input_scale * alpha * scale * jnp.exp(self_or_result * input_scale)
+    return grad_output * jnp.where(self_or_result <= 0, negative, scale)
+
+
 @lowers(aten.softplus.default, promote="default", promote_args=("self",))
 def softplus(self, beta=1, threshold=20):
     scaled = self * beta
-    return jnp.where(scaled > threshold, self, jnp.log1p(jnp.exp(jnp.minimum(scaled, threshold))) / beta)
+    return jnp.where(
+        scaled > threshold, self, jnp.log1p(jnp.exp(jnp.minimum(scaled, threshold))) / beta
+    )
+
+
+@lowers(aten.softplus_backward.default, promote="default", promote_args=("grad_output", "self"))
+def softplus_backward(grad_output, self, beta, threshold):
+    scaled = self * cast(beta, self.dtype)
+    return jnp.where(scaled > threshold, grad_output, grad_output * jax.nn.sigmoid(scaled))
 
 
 @lowers(aten.hardtanh.default, promote="default", promote_args=("self",))
@@ -681,7 +766,9 @@ def hardtanh(self, min_val=-1, max_val=1):
 
 @lowers(aten.hardtanh_backward.default, promote="default", promote_args=("grad_output", "self"))
 def hardtanh_backward(grad_output, self, min_val, max_val):
-    return jnp.where((self <= min_val) | (self >= max_val), jnp.zeros((), grad_output.dtype), grad_output)
+    return jnp.where(
+        (self <= min_val) | (self >= max_val), jnp.zeros((), grad_output.dtype), grad_output
+    )
 
 
 @lowers(aten.hardsigmoid.default, promote="default")
@@ -689,20 +776,60 @@ def hardsigmoid(self):
     return jnp.clip(self / 6 + 0.5, 0, 1)
 
 
+@lowers(aten.hardsigmoid_backward.default, promote="default")
+def hardsigmoid_backward(grad_output, self):
+    return jnp.where((self > -3) & (self < 3), grad_output / 6, jnp.zeros((), grad_output.dtype))
+
+
 @lowers(aten.hardswish.default, promote="default")
 def hardswish(self):
     return self * jnp.clip(self + 3, 0, 6) / 6
 
 
+@lowers(aten.hardswish_backward.default, promote="default")
+def hardswish_backward(grad_output, self):
+    inside = grad_output * (self / 3 + 0.5)
+    return jnp.where(
+        self < -3, jnp.zeros((), grad_output.dtype), jnp.where(self <= 3, inside, grad_output)
+    )
+
+
+@lowers(aten.softshrink_backward.default, promote="default", promote_args=("grad_output", "self"))
+def softshrink_backward(grad_output, self, lambd):
+    return jnp.where(jnp.abs(self) > lambd, grad_output, jnp.zeros((), grad_output.dtype))
+
+
+@lowers(aten.hardshrink_backward.default, promote="default", promote_args=("grad_out", "self"))
+def hardshrink_backward(grad_out, self, lambd):
+    return jnp.where(jnp.abs(self) > lambd, grad_out, jnp.zeros((), grad_out.dtype))
+
+
 @lowers(aten.log_sigmoid_forward.default, promote="default")
 def log_sigmoid_forward(self):
-    return -jax.nn.softplus(-self), jnp.zeros((0,), self.dtype)
+    # The second output is the buffer torch's CPU kernel returns: exp(-|x|).
+    return -jax.nn.softplus(-self), jnp.exp(-jnp.abs(self))
+
+
+@lowers(aten.log_sigmoid_backward.default, promote="default", promote_args=("grad_output", "self"))
+def log_sigmoid_backward(grad_output, self, buffer):
+    # d/dx log(sigmoid(x)) = sigmoid(-x), from sigmoid(-|x|) so that exp cannot overflow.
+    z = jnp.exp(-jnp.abs(self))
+    small = z / (1 + z)
+    return grad_output * jnp.where(self < 0, 1 - small, small)
 
 
 @lowers(aten.glu.default, promote="default")
 def glu(self, dim=-1):
     a, b = jnp.split(self, 2, axis=canonical_dim(dim, self.ndim))
     return a * jax.nn.sigmoid(b)
+
+
+@lowers(aten.glu_backward.default, promote="default", promote_args=("grad_output", "self"))
+def glu_backward(grad_output, self, dim):
+    axis = canonical_dim(dim, self.ndim)
+    a, b = jnp.split(self, 2, axis=axis)
+    gate = jax.nn.sigmoid(b)
+    return jnp.concatenate([grad_output * gate, grad_output * a * gate * (1 - gate)], axis=axis)
 
 
 @lowers(aten._prelu_kernel.default, promote="default")

@@ -49,7 +49,9 @@ def ones_like(self, dtype=None, layout=None, device=None, pin_memory=None, memor
 
 
 @lowers(aten.full_like.default)
-def full_like(self, fill_value, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None):
+def full_like(
+    self, fill_value, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None
+):
     return jnp.full(self.shape, fill_value)
 
 

@@ -56,22 +56,83 @@ def _register(ops, element, **kwargs):
     lowers(*ops)(_over_lists(element, **kwargs))
 
 
-_register([aten._foreach_add.Scalar, aten._foreach_add.List, aten._foreach_add.ScalarList, aten._foreach_add.Tensor], ew.add)
+_register(
+    [
+        aten._foreach_add.Scalar,
+        aten._foreach_add.List,
+        aten._foreach_add.ScalarList,
+        aten._foreach_add.Tensor,
+    ],
+    ew.add,
+)
 _register([aten._foreach_sub.Scalar, aten._foreach_sub.List, aten._foreach_sub.ScalarList], ew.sub)
-_register([aten._foreach_mul.Scalar, aten._foreach_mul.List, aten._foreach_mul.ScalarList, aten._foreach_mul.Tensor], ew.mul)
-_register([aten._foreach_div.Scalar, aten._foreach_div.List, aten._foreach_div.ScalarList, aten._foreach_div.Tensor], ew.div)
-_register([aten._foreach_maximum.Scalar, aten._foreach_maximum.List, aten._foreach_maximum.ScalarList], ew.maximum)
-_register([aten._foreach_minimum.Scalar, aten._foreach_minimum.List, aten._foreach_minimum.ScalarList], ew.minimum)
-_register([aten._foreach_clamp_min.Scalar, aten._foreach_clamp_min.List, aten._foreach_clamp_min.ScalarList], ew.clamp_min)
-_register([aten._foreach_clamp_max.Scalar, aten._foreach_clamp_max.List, aten._foreach_clamp_max.ScalarList], ew.clamp_max)
-_register([aten._foreach_addcmul.Scalar, aten._foreach_addcmul.ScalarList, aten._foreach_addcmul.Tensor], ew.addcmul, per_element_scalars=True)
-_register([aten._foreach_addcdiv.Scalar, aten._foreach_addcdiv.ScalarList, aten._foreach_addcdiv.Tensor], ew.addcdiv, per_element_scalars=True)
-_register([aten._foreach_lerp.List, aten._foreach_lerp.Scalar, aten._foreach_lerp.ScalarList], ew.lerp)
-_register([aten._foreach_pow.List, aten._foreach_pow.ScalarList, aten._foreach_pow.ScalarAndTensor], jnp.power)
+_register(
+    [
+        aten._foreach_mul.Scalar,
+        aten._foreach_mul.List,
+        aten._foreach_mul.ScalarList,
+        aten._foreach_mul.Tensor,
+    ],
+    ew.mul,
+)
+_register(
+    [
+        aten._foreach_div.Scalar,
+        aten._foreach_div.List,
+        aten._foreach_div.ScalarList,
+        aten._foreach_div.Tensor,
+    ],
+    ew.div,
+)
+_register(
+    [aten._foreach_maximum.Scalar, aten._foreach_maximum.List, aten._foreach_maximum.ScalarList],
+    ew.maximum,
+)
+_register(
+    [aten._foreach_minimum.Scalar, aten._foreach_minimum.List, aten._foreach_minimum.ScalarList],
+    ew.minimum,
+)
+_register(
+    [
+        aten._foreach_clamp_min.Scalar,
+        aten._foreach_clamp_min.List,
+        aten._foreach_clamp_min.ScalarList,
+    ],
+    ew.clamp_min,
+)
+_register(
+    [
+        aten._foreach_clamp_max.Scalar,
+        aten._foreach_clamp_max.List,
+        aten._foreach_clamp_max.ScalarList,
+    ],
+    ew.clamp_max,
+)
+_register(
+    [aten._foreach_addcmul.Scalar, aten._foreach_addcmul.ScalarList, aten._foreach_addcmul.Tensor],
+    ew.addcmul,
+    per_element_scalars=True,
+)
+_register(
+    [aten._foreach_addcdiv.Scalar, aten._foreach_addcdiv.ScalarList, aten._foreach_addcdiv.Tensor],
+    ew.addcdiv,
+    per_element_scalars=True,
+)
+_register(
+    [aten._foreach_lerp.List, aten._foreach_lerp.Scalar, aten._foreach_lerp.ScalarList], ew.lerp
+)
+_register(
+    [aten._foreach_pow.List, aten._foreach_pow.ScalarList, aten._foreach_pow.ScalarAndTensor],
+    jnp.power,
+)
 
 
 def _pow_scalar(x, exponent):
-    return ew.pow_tensor_scalar(x, exponent) if isinstance(exponent, (int, float)) else jnp.power(x, exponent)
+    return (
+        ew.pow_tensor_scalar(x, exponent)
+        if isinstance(exponent, (int, float))
+        else jnp.power(x, exponent)
+    )
 
 
 lowers(aten._foreach_pow.Scalar, static=("exponent",))(_over_lists(_pow_scalar))

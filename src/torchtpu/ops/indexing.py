@@ -6,6 +6,10 @@ type at the next read of values, never a silently clamped result.
 
 from __future__ import annotations
 
+import functools
+import math
+
+import jax
 import jax.numpy as jnp
 
 from torchtpu.checks import error_if
@@ -13,9 +17,12 @@ from torchtpu.ops.registry import aten, lowers
 from torchtpu.ops.util import canonical_dim, cast
 
 
-def _check_bounds(index, size, dim, exc=IndexError, message=None):
+def _check_bounds(index, size, dim, exc=IndexError, message=None, negative=True):
+    """Raise like torch for an index outside ``[-size, size)``, or outside ``[0, size)``
+    for the ops whose CPU kernels take no negative indices (``negative=False``)."""
+    low = -size if negative else 0
     error_if(
-        jnp.any((index < -size) | (index >= size)),
+        jnp.any((index < low) | (index >= size)),
         exc,
         message or f"index is out of bounds for dimension {dim} with size {size}",
     )
@@ -67,10 +74,10 @@ def _index_put_impl_(self, indices, values, accumulate=False, unsafe=False):
 @lowers(aten.index_select.default)
 def index_select(self, dim, index):
     if self.ndim == 0:
-        _check_bounds(index, 1, 0, message="index out of range in self")
+        _check_bounds(index, 1, 0, message="index out of range in self", negative=False)
         return jnp.broadcast_to(self, index.shape).reshape(index.shape or ())
     dim = canonical_dim(dim, self.ndim)
-    _check_bounds(index, self.shape[dim], dim, message="index out of range in self")
+    _check_bounds(index, self.shape[dim], dim, message="index out of range in self", negative=False)
     return jnp.take(self, index.reshape(-1), axis=dim)
 
 
@@ -86,7 +93,7 @@ def gather(self, dim, index, sparse_grad=False):
     if self.ndim == 0:
         return jnp.broadcast_to(self, index.shape)
     dim = canonical_dim(dim, self.ndim)
-    _check_bounds(index, self.shape[dim], dim, exc=RuntimeError)
+    _check_bounds(index, self.shape[dim], dim, exc=RuntimeError, negative=False)
     where, _ = _along(self, dim, index)
     return self[where]
 
@@ -97,7 +104,7 @@ def _scatter(self, dim, index, src, mode):
         src = jnp.reshape(src, ()) if jnp.ndim(src) else src
     else:
         dim = canonical_dim(dim, self.ndim)
-        _check_bounds(index, self.shape[dim], dim, exc=RuntimeError)
+        _check_bounds(index, self.shape[dim], dim, exc=RuntimeError, negative=False)
         where, _ = _along(self, dim, index)
         if jnp.ndim(src):
             src = src[tuple(slice(0, n) for n in index.shape)]
@@ -138,7 +145,7 @@ def scatter_reduce(self, dim, index, src, reduce, include_self=True):
     if self.ndim == 0 or index.size == 0:
         return self
     dim = canonical_dim(dim, self.ndim)
-    _check_bounds(index, self.shape[dim], dim, exc=RuntimeError)
+    _check_bounds(index, self.shape[dim], dim, exc=RuntimeError, negative=False)
     where, _ = _along(self, dim, index)
     src = cast(src[tuple(slice(0, n) for n in index.shape)], self.dtype)
     touched = jnp.zeros(self.shape, bool).at[where].set(True)
@@ -146,13 +153,21 @@ def scatter_reduce(self, dim, index, src, reduce, include_self=True):
         total = jnp.where(touched & ~include_self, 0, self).astype(self.dtype).at[where].add(src)
         count = jnp.where(include_self, 1, 0) + jnp.zeros(self.shape, jnp.int64).at[where].add(1)
         count = jnp.where(touched, count, 1)
-        mean = total / count.astype(total.dtype) if jnp.issubdtype(self.dtype, jnp.inexact) else total // count
+        mean = (
+            total / count.astype(total.dtype)
+            if jnp.issubdtype(self.dtype, jnp.inexact)
+            else total // count
+        )
         return jnp.where(touched, mean, self).astype(self.dtype)
     identity = {
         "sum": 0,
         "prod": 1,
-        "amax": jnp.finfo(self.dtype).min if jnp.issubdtype(self.dtype, jnp.inexact) else jnp.iinfo(self.dtype).min,
-        "amin": jnp.finfo(self.dtype).max if jnp.issubdtype(self.dtype, jnp.inexact) else jnp.iinfo(self.dtype).max,
+        "amax": jnp.finfo(self.dtype).min
+        if jnp.issubdtype(self.dtype, jnp.inexact)
+        else jnp.iinfo(self.dtype).min,
+        "amin": jnp.finfo(self.dtype).max
+        if jnp.issubdtype(self.dtype, jnp.inexact)
+        else jnp.iinfo(self.dtype).max,
     }[reduce]
     base = self if include_self else jnp.where(touched, jnp.asarray(identity, self.dtype), self)
     if jnp.issubdtype(self.dtype, jnp.floating) and reduce in ("amax", "amin") and not include_self:
@@ -165,7 +180,11 @@ def index_add(self, dim, index, source, alpha=1):
     if self.ndim == 0:
         return self + jnp.sum(source * alpha)
     dim = canonical_dim(dim, self.ndim)
-    _check_bounds(index, self.shape[dim], dim, message="index out of range in self")
+    # torch's CPU kernel checks a 1-d self with an IndexError, others with a RuntimeError.
+    if self.ndim == 1:
+        _check_bounds(index, self.shape[0], 0, message="index out of range in self", negative=False)
+    else:
+        _check_bounds(index, self.shape[dim], dim, exc=RuntimeError, negative=False)
     where = (slice(None),) * dim + (index,)
     source = cast(source, self.dtype)
     if not (isinstance(alpha, (int, float)) and alpha == 1):
@@ -178,7 +197,13 @@ def index_copy(self, dim, index, source):
     if self.ndim == 0:
         return jnp.reshape(source, ())
     dim = canonical_dim(dim, self.ndim)
-    _check_bounds(index, self.shape[dim], dim, message="index out of range in self")
+    _check_bounds(
+        index,
+        self.shape[dim],
+        dim,
+        message=f"index_copy_(): index is out of bounds for dimension {dim} with size {self.shape[dim]}",
+        negative=False,
+    )
     return self.at[(slice(None),) * dim + (index,)].set(cast(source, self.dtype))
 
 
@@ -187,84 +212,231 @@ def index_fill(self, dim, index, value):
     if self.ndim == 0:
         return jnp.where(index.size > 0, cast(value, self.dtype), self)
     dim = canonical_dim(dim, self.ndim)
-    _check_bounds(index, self.shape[dim], dim, message="index out of range in self")
+    _check_bounds(index, self.shape[dim], dim)
     return self.at[(slice(None),) * dim + (index,)].set(cast(value, self.dtype))
+
+
+@lowers(aten.diagonal_scatter.default)
+def diagonal_scatter(self, src, offset=0, dim1=0, dim2=1):
+    d1, d2 = canonical_dim(dim1, self.ndim), canonical_dim(dim2, self.ndim)
+    n = src.shape[-1]
+    rows = jnp.arange(n) + max(-offset, 0)
+    cols = jnp.arange(n) + max(offset, 0)
+    # src has the diagonal as its last dim, like torch.diagonal's result.
+    moved = jnp.moveaxis(self, (d1, d2), (-2, -1))
+    moved = moved.at[..., rows, cols].set(cast(src, self.dtype))
+    return jnp.moveaxis(moved, (-2, -1), (d1, d2))
 
 
 @lowers(aten.masked_scatter.default)
 def masked_scatter(self, mask, source):
     mask = jnp.broadcast_to(mask, self.shape).reshape(-1)
     position = jnp.cumsum(mask) - 1
-    error_if(jnp.sum(mask) > source.size, RuntimeError, "masked_scatter: expected source to have at least as many elements as ones in mask")
-    picked = source.reshape(-1)[jnp.clip(position, 0, max(source.size - 1, 0))] if source.size else jnp.zeros_like(self.reshape(-1))
+    error_if(
+        jnp.sum(mask) > source.size,
+        RuntimeError,
+        "masked_scatter: expected source to have at least as many elements as ones in mask",
+    )
+    picked = (
+        source.reshape(-1)[jnp.clip(position, 0, max(source.size - 1, 0))]
+        if source.size
+        else jnp.zeros_like(self.reshape(-1))
+    )
     return jnp.where(mask, cast(picked, self.dtype), self.reshape(-1)).reshape(self.shape)
+
+
+@lowers(aten.masked_scatter_backward.default)
+def masked_scatter_backward(grad_output, mask, sizes):
+    # Source element k went to the k-th True position of the mask; the rest of the
+    # source was not used and gets a zero gradient. Shapes are static (``sizes``).
+    numel = math.prod(sizes)
+    mask = jnp.broadcast_to(mask, grad_output.shape).reshape(-1)
+    position = jnp.where(mask, jnp.cumsum(mask) - 1, numel)
+    grad = (
+        jnp.zeros((numel,), grad_output.dtype)
+        .at[position]
+        .set(grad_output.reshape(-1), mode="drop")
+    )
+    return grad.reshape(sizes)
+
+
+_TAKE_MESSAGE = "out of range: tried to access index out of bounds of a tensor of {} elements"
 
 
 @lowers(aten.take.default)
 def take(self, index):
-    _check_bounds(index, max(self.size, 0), 0, message="out of range: tried to access index out of bounds")
+    _check_bounds(index, self.size, 0, message=_TAKE_MESSAGE.format(self.size))
     return self.reshape(-1)[index]
 
 
-# -- data-dependent shapes: run op by op on concrete arrays --------------------------------------
+@lowers(aten.put.default)
+def put(self, index, source, accumulate=False):
+    _check_bounds(index, self.size, 0, message=_TAKE_MESSAGE.format(self.size))
+    flat = self.reshape(-1)
+    source = cast(source, self.dtype).reshape(-1)
+    index = index.reshape(-1)
+    flat = flat.at[index].add(source) if accumulate else flat.at[index].set(source)
+    return flat.reshape(self.shape)
+
+
+# -- data-dependent shapes -----------------------------------------------------------------------
+#
+# These run outside the op's plan, on concrete arrays (``dynamic_shape=True``). Each runs
+# as two jitted functions: one computes the output size, the other the output at that
+# (static) size. Op-by-op JAX would compile every primitive on first use instead.
+
+
+@jax.jit
+def _count_nonzero(x):
+    return jnp.count_nonzero(x)
+
+
+@functools.partial(jax.jit, static_argnames=("size",))
+def _nonzero_sized(x, size):
+    return jnp.stack(jnp.nonzero(x, size=size), axis=1).astype(jnp.int64)
 
 
 @lowers(aten.nonzero.default, dynamic_shape=True)
 def nonzero(self):
     if self.ndim == 0:
         return jnp.zeros((1 if bool(self) else 0, 0), jnp.int64)
-    return jnp.stack(jnp.nonzero(self), axis=1).astype(jnp.int64)
+    return _nonzero_sized(self, size=int(_count_nonzero(self)))
+
+
+@jax.jit
+def _masked_select_count(self, mask):
+    return jnp.count_nonzero(jnp.broadcast_to(mask, jnp.broadcast_shapes(self.shape, mask.shape)))
+
+
+@functools.partial(jax.jit, static_argnames=("size",))
+def _masked_select_sized(self, mask, size):
+    shape = jnp.broadcast_shapes(self.shape, mask.shape)
+    where = jnp.flatnonzero(jnp.broadcast_to(mask, shape), size=size)
+    return jnp.broadcast_to(self, shape).reshape(-1)[where]
 
 
 @lowers(aten.masked_select.default, dynamic_shape=True)
 def masked_select(self, mask):
-    shape = jnp.broadcast_shapes(self.shape, mask.shape)
-    return jnp.broadcast_to(self, shape)[jnp.broadcast_to(mask, shape)]
+    return _masked_select_sized(self, mask, size=int(_masked_select_count(self, mask)))
+
+
+def _unique_input(self, axis):
+    return (self.reshape(-1), 0) if axis is None else (self, axis)
+
+
+@functools.partial(jax.jit, static_argnames=("axis",))
+def _unique_count(self, axis):
+    x, axis = _unique_input(self, axis)
+    # At the largest possible size, the padding has a count of 0.
+    _, counts = jnp.unique(x, axis=axis, return_counts=True, size=x.shape[axis], equal_nan=False)
+    return jnp.count_nonzero(counts)
+
+
+@functools.partial(jax.jit, static_argnames=("axis", "size"))
+def _unique_sized(self, axis, size):
+    x, unique_axis = _unique_input(self, axis)
+    # torch's unique keeps every NaN apart (NaN != NaN).
+    values, inverse, counts = jnp.unique(
+        x, axis=unique_axis, return_inverse=True, return_counts=True, size=size, equal_nan=False
+    )
+    inverse = inverse.reshape(self.shape if axis is None else (-1,))
+    return values, inverse.astype(jnp.int64), counts.astype(jnp.int64)
+
+
+def _unique(self, axis):
+    if self.size == 0:
+        values = self.reshape(-1) if axis is None else self
+        inverse = jnp.zeros(self.shape if axis is None else (self.shape[axis],), jnp.int64)
+        return values, inverse, jnp.zeros((0,), jnp.int64)
+    return _unique_sized(self, axis=axis, size=int(_unique_count(self, axis=axis)))
 
 
 @lowers(aten._unique2.default, dynamic_shape=True)
 def _unique2(self, sorted=True, return_inverse=False, return_counts=False):
-    values, inverse, counts = jnp.unique(self.reshape(-1), return_inverse=True, return_counts=True)
-    return values, inverse.reshape(self.shape).astype(jnp.int64), counts.astype(jnp.int64)
+    return _unique(self, None)
 
 
 @lowers(aten.unique_dim.default, dynamic_shape=True)
 def unique_dim(self, dim, sorted=True, return_inverse=False, return_counts=False):
-    dim = canonical_dim(dim, self.ndim)
-    values, inverse, counts = jnp.unique(self, axis=dim, return_inverse=True, return_counts=True)
-    return values, inverse.reshape(-1).astype(jnp.int64), counts.astype(jnp.int64)
+    return _unique(self, canonical_dim(dim, self.ndim))
+
+
+def _consecutive_rows(self, axis):
+    """Rows along ``axis`` (all elements when None), and where each differs from the one before."""
+    rows = (
+        self.reshape(-1, 1)
+        if axis is None
+        else jnp.moveaxis(self, axis, 0).reshape(self.shape[axis], -1)
+    )
+    change = jnp.concatenate([jnp.ones((1,), bool), jnp.any(rows[1:] != rows[:-1], axis=1)])
+    return rows, change
+
+
+@functools.partial(jax.jit, static_argnames=("axis",))
+def _unique_consecutive_count(self, axis):
+    return jnp.count_nonzero(_consecutive_rows(self, axis)[1])
+
+
+@functools.partial(jax.jit, static_argnames=("axis", "size"))
+def _unique_consecutive_sized(self, axis, size):
+    _, change = _consecutive_rows(self, axis)
+    group = jnp.cumsum(change) - 1
+    starts = jnp.flatnonzero(change, size=size)
+    if axis is None:
+        values = self.reshape(-1)[starts]
+        inverse = group.reshape(self.shape)
+    else:
+        values = jnp.take(self, starts, axis=axis)
+        inverse = group
+    counts = jnp.bincount(group, length=size)
+    return values, inverse.astype(jnp.int64), counts.astype(jnp.int64)
 
 
 @lowers(aten.unique_consecutive.default, dynamic_shape=True)
 def unique_consecutive(self, return_inverse=False, return_counts=False, dim=None):
-    if dim is None:
-        flat = self.reshape(-1)
-        if flat.size == 0:
-            return flat, jnp.zeros(self.shape, jnp.int64), jnp.zeros((0,), jnp.int64)
-        change = jnp.concatenate([jnp.ones((1,), bool), flat[1:] != flat[:-1]])
-        group = jnp.cumsum(change) - 1
-        values = flat[change]
-        counts = jnp.bincount(group, length=values.shape[0])
-        return values, group.reshape(self.shape).astype(jnp.int64), counts.astype(jnp.int64)
-    dim = canonical_dim(dim, self.ndim)
-    moved = jnp.moveaxis(self, dim, 0)
-    rows = moved.reshape(moved.shape[0], -1)
-    change = jnp.concatenate([jnp.ones((1,), bool), jnp.any(rows[1:] != rows[:-1], axis=1)])
-    group = jnp.cumsum(change) - 1
-    values = jnp.moveaxis(moved[change], 0, dim)
-    counts = jnp.bincount(group, length=int(change.sum()))
-    return values, group.astype(jnp.int64), counts.astype(jnp.int64)
+    axis = None if dim is None else canonical_dim(dim, self.ndim)
+    if self.size == 0:
+        return _unique(self, axis)
+    return _unique_consecutive_sized(
+        self, axis=axis, size=int(_unique_consecutive_count(self, axis=axis))
+    )
+
+
+@jax.jit
+def _total(x):
+    return jnp.sum(x)
+
+
+@functools.partial(jax.jit, static_argnames=("size",))
+def _repeat_interleave_sized(repeats, size):
+    return jnp.repeat(
+        jnp.arange(repeats.shape[0], dtype=jnp.int64), repeats, total_repeat_length=size
+    )
 
 
 @lowers(aten.repeat_interleave.Tensor, dynamic_shape=True)
 def repeat_interleave(repeats, output_size=None):
-    return jnp.repeat(jnp.arange(repeats.shape[0], dtype=jnp.int64), repeats, total_repeat_length=output_size)
+    size = int(_total(repeats)) if output_size is None else output_size
+    return _repeat_interleave_sized(repeats, size=size)
+
+
+@jax.jit
+def _min_max(x):
+    return jnp.min(x), jnp.max(x)
+
+
+@functools.partial(jax.jit, static_argnames=("length",))
+def _bincount_sized(self, weights, length):
+    out = jnp.bincount(self, weights=weights, length=length)
+    return out if weights is not None else out.astype(jnp.int64)
 
 
 @lowers(aten.bincount.default, dynamic_shape=True)
 def bincount(self, weights=None, minlength=0):
-    if self.size and int(self.min()) < 0:
-        raise RuntimeError("bincount only supports 1-d non-negative integral inputs.")
-    length = max(int(self.max()) + 1 if self.size else 0, minlength)
-    out = jnp.bincount(self, weights=weights, length=length)
-    return out if weights is not None else out.astype(jnp.int64)
+    length = minlength
+    if self.size:
+        low, high = (int(v) for v in _min_max(self))
+        if low < 0:
+            raise RuntimeError("bincount only supports 1-d non-negative integral inputs.")
+        length = max(high + 1, minlength)
+    return _bincount_sized(self, weights, length=length)

@@ -12,12 +12,16 @@ _LOW_FLOATS = (jnp.float16, jnp.bfloat16)
 def _matmul(a, b, precision):
     # 16-bit floats accumulate in float32, as torch's CPU kernels do.
     if a.dtype in _LOW_FLOATS:
-        return jnp.matmul(a, b, precision=precision, preferred_element_type=jnp.float32).astype(a.dtype)
+        return jnp.matmul(a, b, precision=precision, preferred_element_type=jnp.float32).astype(
+            a.dtype
+        )
     return jnp.matmul(a, b, precision=precision)
 
 
 def _scale(x, factor):
-    return x if isinstance(factor, (int, float)) and factor == 1 else x * jnp.asarray(factor, x.dtype)
+    return (
+        x if isinstance(factor, (int, float)) and factor == 1 else x * jnp.asarray(factor, x.dtype)
+    )
 
 
 def _plus_scaled(product, self, beta, alpha):

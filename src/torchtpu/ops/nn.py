@@ -66,7 +66,10 @@ def _conv(input, weight, stride, padding, dilation, transposed, output_padding, 
     w = jnp.swapaxes(w, 1, 2).reshape(groups * weight.shape[1], in_channels // groups, *k)
     w = jnp.flip(w, axis=tuple(range(2, 2 + n)))
     pads = [
-        (dilation[i] * (k[i] - 1) - padding[i], dilation[i] * (k[i] - 1) - padding[i] + output_padding[i])
+        (
+            dilation[i] * (k[i] - 1) - padding[i],
+            dilation[i] * (k[i] - 1) - padding[i] + output_padding[i],
+        )
         for i in range(n)
     ]
     out = lax.conv_general_dilated(
@@ -88,8 +91,12 @@ def _bias_shape(bias, ndim):
 
 
 @lowers(aten.convolution.default, precision=True)
-def convolution(input, weight, bias, stride, padding, dilation, transposed, output_padding, groups, *, precision):
-    out = _conv(input, weight, stride, padding, dilation, transposed, output_padding, groups, precision)
+def convolution(
+    input, weight, bias, stride, padding, dilation, transposed, output_padding, groups, *, precision
+):
+    out = _conv(
+        input, weight, stride, padding, dilation, transposed, output_padding, groups, precision
+    )
     if bias is not None:
         out = out + _bias_shape(bias, out.ndim).astype(out.dtype)
     return out
@@ -97,14 +104,28 @@ def convolution(input, weight, bias, stride, padding, dilation, transposed, outp
 
 @lowers(aten.convolution_backward.default, precision=True)
 def convolution_backward(
-    grad_output, input, weight, bias_sizes, stride, padding, dilation, transposed, output_padding, groups, output_mask, *, precision
+    grad_output,
+    input,
+    weight,
+    bias_sizes,
+    stride,
+    padding,
+    dilation,
+    transposed,
+    output_padding,
+    groups,
+    output_mask,
+    *,
+    precision,
 ):
     def forward(x, w):
         return _conv(x, w, stride, padding, dilation, transposed, output_padding, groups, precision)
 
     _, vjp = jax.vjp(forward, input, weight)
     grad_input, grad_weight = vjp(grad_output.astype(input.dtype))
-    grad_bias = jnp.sum(_opmath(grad_output), axis=(0,) + tuple(range(2, grad_output.ndim))).astype(grad_output.dtype)
+    grad_bias = jnp.sum(_opmath(grad_output), axis=(0,) + tuple(range(2, grad_output.ndim))).astype(
+        grad_output.dtype
+    )
     return grad_input, grad_weight, grad_bias
 
 
@@ -123,7 +144,10 @@ def _windows(x, kernel, stride, padding, dilation, ceil_mode, pad_value):
     """All window positions as one stacked axis: (prod(kernel), N, C, *out)."""
     n = len(kernel)
     spatial = x.shape[-n:]
-    out = [_pool_output_size(spatial[i], kernel[i], stride[i], padding[i], dilation[i], ceil_mode) for i in range(n)]
+    out = [
+        _pool_output_size(spatial[i], kernel[i], stride[i], padding[i], dilation[i], ceil_mode)
+        for i in range(n)
+    ]
     pads = [(0, 0)] * (x.ndim - n)
     for i in range(n):
         needed = (out[i] - 1) * stride[i] + dilation[i] * (kernel[i] - 1) + 1
@@ -184,21 +208,29 @@ def _max_pool_backward(grad_output, self, indices, n):
     grad = jnp.zeros(lead + (size,), grad_output.dtype)
     g = grad_output.reshape(lead + (-1,))
     idx = indices.reshape(lead + (-1,))
-    grad = jax.vmap(lambda z, i, v: z.at[i].add(v))(grad.reshape(-1, size), idx.reshape(-1, idx.shape[-1]), g.reshape(-1, g.shape[-1]))
+    grad = jax.vmap(lambda z, i, v: z.at[i].add(v))(
+        grad.reshape(-1, size), idx.reshape(-1, idx.shape[-1]), g.reshape(-1, g.shape[-1])
+    )
     return grad.reshape(self.shape)
 
 
 @lowers(aten.max_pool2d_with_indices_backward.default)
-def max_pool2d_with_indices_backward(grad_output, self, kernel_size, stride, padding, dilation, ceil_mode, indices):
+def max_pool2d_with_indices_backward(
+    grad_output, self, kernel_size, stride, padding, dilation, ceil_mode, indices
+):
     return _max_pool_backward(grad_output, self, indices, 2)
 
 
 @lowers(aten.max_pool3d_with_indices_backward.default)
-def max_pool3d_with_indices_backward(grad_output, self, kernel_size, stride, padding, dilation, ceil_mode, indices):
+def max_pool3d_with_indices_backward(
+    grad_output, self, kernel_size, stride, padding, dilation, ceil_mode, indices
+):
     return _max_pool_backward(grad_output, self, indices, 3)
 
 
-def _avg_pool(self, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override, n):
+def _avg_pool(
+    self, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override, n
+):
     kernel, stride, padding, dilation = _pool_args(kernel_size, stride, padding, 1, n)
     x = _opmath(self)
     windows, out = _windows(x, kernel, stride, padding, dilation, ceil_mode, 0)
@@ -222,31 +254,110 @@ def _window_count(spatial, kernel, stride, padding, out, include_pad, dtype):
     padded = jnp.pad(padded, pads)
     views = []
     for offsets in itertools.product(*(range(k) for k in kernel)):
-        index = tuple(slice(o, o + (out[i] - 1) * stride[i] + 1, stride[i]) for i, o in enumerate(offsets))
+        index = tuple(
+            slice(o, o + (out[i] - 1) * stride[i] + 1, stride[i]) for i, o in enumerate(offsets)
+        )
         views.append(padded[index])
     return jnp.sum(jnp.stack(views), axis=0)
 
 
 @lowers(aten.avg_pool2d.default)
-def avg_pool2d(self, kernel_size, stride=(), padding=0, ceil_mode=False, count_include_pad=True, divisor_override=None):
-    return _avg_pool(self, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override, 2)
+def avg_pool2d(
+    self,
+    kernel_size,
+    stride=(),
+    padding=0,
+    ceil_mode=False,
+    count_include_pad=True,
+    divisor_override=None,
+):
+    return _avg_pool(
+        self, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override, 2
+    )
 
 
 @lowers(aten.avg_pool3d.default)
-def avg_pool3d(self, kernel_size, stride=(), padding=0, ceil_mode=False, count_include_pad=True, divisor_override=None):
-    return _avg_pool(self, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override, 3)
+def avg_pool3d(
+    self,
+    kernel_size,
+    stride=(),
+    padding=0,
+    ceil_mode=False,
+    count_include_pad=True,
+    divisor_override=None,
+):
+    return _avg_pool(
+        self, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override, 3
+    )
 
 
 @lowers(aten.avg_pool2d_backward.default)
-def avg_pool2d_backward(grad_output, self, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override):
-    _, vjp = jax.vjp(lambda x: _avg_pool(x, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override, 2), self)
+def avg_pool2d_backward(
+    grad_output, self, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override
+):
+    _, vjp = jax.vjp(
+        lambda x: _avg_pool(
+            x, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override, 2
+        ),
+        self,
+    )
     return vjp(grad_output)[0]
 
 
 @lowers(aten.avg_pool3d_backward.default)
-def avg_pool3d_backward(grad_output, self, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override):
-    _, vjp = jax.vjp(lambda x: _avg_pool(x, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override, 3), self)
+def avg_pool3d_backward(
+    grad_output, self, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override
+):
+    _, vjp = jax.vjp(
+        lambda x: _avg_pool(
+            x, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override, 3
+        ),
+        self,
+    )
     return vjp(grad_output)[0]
+
+
+def _adaptive_bins(size, out):
+    """torch's adaptive bins along one dim: (out, K) positions and validity, where K
+    is the widest bin; bin i spans [floor(i * size / out), ceil((i + 1) * size / out))."""
+    starts = [(i * size) // out for i in range(out)]
+    ends = [-((-(i + 1) * size) // out) for i in range(out)]
+    width = max(e - s for s, e in zip(starts, ends))
+    positions = [[min(s + k, size - 1) for k in range(width)] for s in starts]
+    valid = [[s + k < e for k in range(width)] for s, e in zip(starts, ends)]
+    return jnp.asarray(positions, jnp.int64), jnp.asarray(valid)
+
+
+@lowers(aten.adaptive_max_pool2d.default)
+def adaptive_max_pool2d(self, output_size):
+    (h, w), (out_h, out_w) = self.shape[-2:], _tuple(output_size, 2)
+    rows, row_valid = _adaptive_bins(h, out_h)  # (out_h, Kh)
+    cols, col_valid = _adaptive_bins(w, out_w)  # (out_w, Kw)
+    kh, kw = rows.shape[1], cols.shape[1]
+    # windows[..., i, j, a, b] = self[..., rows[i, a], cols[j, b]]
+    windows = self[..., rows[:, None, :, None], cols[None, :, None, :]]
+    valid = row_valid[:, None, :, None] & col_valid[None, :, None, :]
+    windows = windows.reshape(self.shape[:-2] + (out_h, out_w, kh * kw))
+    valid = valid.reshape(out_h, out_w, kh * kw)
+    low = -jnp.inf if jnp.issubdtype(self.dtype, jnp.floating) else jnp.iinfo(self.dtype).min
+    # NaN wins, as in torch; then the first of equal maxima.
+    keyed = (
+        jnp.where(jnp.isnan(windows), jnp.inf, windows)
+        if jnp.issubdtype(self.dtype, jnp.floating)
+        else windows
+    )
+    which = jnp.argmax(jnp.where(valid, keyed, low), axis=-1)
+    values = jnp.take_along_axis(windows, which[..., None], axis=-1)[..., 0]
+    flat = (rows[:, None, :, None] * w + cols[None, :, None, :]).reshape(out_h, out_w, kh * kw)
+    indices = jnp.take_along_axis(jnp.broadcast_to(flat, windows.shape), which[..., None], axis=-1)[
+        ..., 0
+    ]
+    return values, indices
+
+
+@lowers(aten.adaptive_max_pool2d_backward.default)
+def adaptive_max_pool2d_backward(grad_output, self, indices):
+    return _max_pool_backward(grad_output, self, indices, 2)
 
 
 def _adaptive_matrix(size, out, dtype):
@@ -268,7 +379,9 @@ def _adaptive_avg_pool(self, output_size, n):
     for i in range(n):
         axis = self.ndim - n + i
         m = _adaptive_matrix(self.shape[axis], output_size[i], x.dtype)
-        x = jnp.moveaxis(jnp.tensordot(x, m, axes=([axis], [1]), precision=lax.Precision.HIGHEST), -1, axis)
+        x = jnp.moveaxis(
+            jnp.tensordot(x, m, axes=([axis], [1]), precision=lax.Precision.HIGHEST), -1, axis
+        )
     return x.astype(self.dtype)
 
 
@@ -325,14 +438,19 @@ def _updated_stats(input, mean, var, running_mean, running_var, momentum):
 
 
 def _batch_norm_eval(input, weight, bias, running_mean, running_var, eps):
+    # torch's meta kernels size the saved mean and invstd (C,) in eval mode too (CPU
+    # kernels return them empty), and outputs take the meta shapes: they are the
+    # running statistics here, which no backward reads.
     x = _opmath(input)
     mean = _opmath(running_mean)
     invstd = lax.rsqrt(_opmath(running_var) + eps)
-    return _normalise(x, mean, invstd, weight, bias).astype(input.dtype), jnp.zeros((0,), x.dtype), jnp.zeros((0,), x.dtype)
+    return _normalise(x, mean, invstd, weight, bias).astype(input.dtype), mean, invstd
 
 
 @lowers(aten._native_batch_norm_legit_functional.default)
-def _native_batch_norm_legit_functional(input, weight, bias, running_mean, running_var, training, momentum, eps):
+def _native_batch_norm_legit_functional(
+    input, weight, bias, running_mean, running_var, training, momentum, eps
+):
     if not training:
         out, a, b = _batch_norm_eval(input, weight, bias, running_mean, running_var, eps)
         return out, a, b, running_mean, running_var
@@ -348,7 +466,9 @@ def _native_batch_norm_legit_no_stats(input, weight, bias, training, momentum, e
 
 
 @lowers(aten._native_batch_norm_legit_no_training.default)
-def _native_batch_norm_legit_no_training(input, weight, bias, running_mean, running_var, momentum, eps):
+def _native_batch_norm_legit_no_training(
+    input, weight, bias, running_mean, running_var, momentum, eps
+):
     return _batch_norm_eval(input, weight, bias, running_mean, running_var, eps)
 
 
@@ -361,7 +481,9 @@ def native_batch_norm(input, weight, bias, running_mean, running_var, training, 
 
 
 @lowers(aten._batch_norm_with_update_functional.default)
-def _batch_norm_with_update_functional(input, weight, bias, running_mean, running_var, momentum, eps):
+def _batch_norm_with_update_functional(
+    input, weight, bias, running_mean, running_var, momentum, eps
+):
     out, mean, invstd, var = _batch_norm_train(input, weight, bias, eps)
     new_mean, new_var = _updated_stats(input, mean, var, running_mean, running_var, momentum)
     return out, mean, invstd, jnp.zeros((0,), jnp.uint8), new_mean, new_var
@@ -385,7 +507,9 @@ def _normalisation_grads(g, xhat, invstd, w, axes):
     return invstd * (gw - mean_gw - xhat * mean_gw_xhat)
 
 
-def _batch_norm_grads(grad_out, input, weight, running_mean, running_var, save_mean, save_invstd, train, eps):
+def _batch_norm_grads(
+    grad_out, input, weight, running_mean, running_var, save_mean, save_invstd, train, eps
+):
     x, g = _opmath(input), _opmath(grad_out)
     axes = (0,) + tuple(range(2, x.ndim))
     if train:
@@ -405,14 +529,41 @@ def _batch_norm_grads(grad_out, input, weight, running_mean, running_var, save_m
 
 
 @lowers(aten.native_batch_norm_backward.default)
-def native_batch_norm_backward(grad_out, input, weight, running_mean, running_var, save_mean, save_invstd, train, eps, output_mask):
-    return _batch_norm_grads(grad_out, input, weight, running_mean, running_var, save_mean, save_invstd, train, eps)
+def native_batch_norm_backward(
+    grad_out,
+    input,
+    weight,
+    running_mean,
+    running_var,
+    save_mean,
+    save_invstd,
+    train,
+    eps,
+    output_mask,
+):
+    return _batch_norm_grads(
+        grad_out, input, weight, running_mean, running_var, save_mean, save_invstd, train, eps
+    )
 
 
 @lowers(aten.batch_norm_backward.default)
-def batch_norm_backward(grad_out, input, weight, running_mean, running_var, save_mean, save_var, update, eps, output_mask, reserve):
+def batch_norm_backward(
+    grad_out,
+    input,
+    weight,
+    running_mean,
+    running_var,
+    save_mean,
+    save_var,
+    update,
+    eps,
+    output_mask,
+    reserve,
+):
     train = update or running_mean is None
-    return _batch_norm_grads(grad_out, input, weight, running_mean, running_var, save_mean, save_var, train, eps)
+    return _batch_norm_grads(
+        grad_out, input, weight, running_mean, running_var, save_mean, save_var, train, eps
+    )
 
 
 def _layer_norm(input, normalized_shape, weight, bias, eps):
@@ -435,7 +586,9 @@ def native_layer_norm(input, normalized_shape, weight, bias, eps):
 
 
 @lowers(aten.native_layer_norm_backward.default)
-def native_layer_norm_backward(grad_out, input, normalized_shape, mean, rstd, weight, bias, output_mask):
+def native_layer_norm_backward(
+    grad_out, input, normalized_shape, mean, rstd, weight, bias, output_mask
+):
     x, g = _opmath(input), _opmath(grad_out)
     k = len(normalized_shape)
     axes = tuple(range(x.ndim - k, x.ndim))
@@ -501,6 +654,17 @@ def embedding(weight, indices, padding_idx=-1, scale_grad_by_freq=False, sparse=
     n = weight.shape[0]
     error_if(jnp.any((indices < 0) | (indices >= n)), IndexError, "index out of range in self")
     return jnp.take(weight, indices, axis=0)
+
+
+@lowers(aten.embedding_renorm.default)
+def embedding_renorm(self, indices, max_norm, norm_type):
+    # The rows that ``indices`` use are scaled down to a norm of at most max_norm,
+    # with torch's 1e-7 slack; other rows are left alone.
+    x = _opmath(self)
+    norms = jnp.sum(jnp.abs(x) ** norm_type, axis=1, keepdims=True) ** (1.0 / norm_type)
+    used = jnp.zeros((self.shape[0], 1), bool).at[indices.reshape(-1)].set(True)
+    scale = jnp.where(used & (norms > max_norm), max_norm / (norms + 1e-7), 1.0)
+    return (x * scale).astype(self.dtype)
 
 
 @lowers(aten.embedding_dense_backward.default)
@@ -577,7 +741,9 @@ def _nll_parts(self, target, weight, ignore_index):
         f"Target is out of bounds (must be in [0, {n_classes}))",
     )
     safe = jnp.where(valid, target, 0)
-    picked = jnp.take_along_axis(self, jnp.expand_dims(safe, class_dim), axis=class_dim).squeeze(class_dim)
+    picked = jnp.take_along_axis(self, jnp.expand_dims(safe, class_dim), axis=class_dim).squeeze(
+        class_dim
+    )
     w = jnp.ones((n_classes,), self.dtype) if weight is None else weight.astype(self.dtype)
     w = jnp.where(valid, w[safe], 0)
     return -picked * w, w
@@ -658,8 +824,28 @@ def binary_cross_entropy_with_logits(self, target, weight=None, pos_weight=None,
 @lowers(aten.smooth_l1_loss.default, promote="default")
 def smooth_l1_loss(self, target, reduction=_MEAN, beta=1.0):
     diff = jnp.abs(self - target)
-    loss = diff - 0.5 * beta if beta == 0 else jnp.where(diff < beta, 0.5 * diff * diff / beta, diff - 0.5 * beta)
+    loss = (
+        diff - 0.5 * beta
+        if beta == 0
+        else jnp.where(diff < beta, 0.5 * diff * diff / beta, diff - 0.5 * beta)
+    )
     return _reduce(loss, reduction)
+
+
+@lowers(
+    aten.smooth_l1_loss_backward.default,
+    promote="default",
+    promote_args=("grad_output", "self", "target"),
+)
+def smooth_l1_loss_backward(grad_output, self, target, reduction, beta):
+    x = self - target
+    norm = 1.0 / x.size if reduction == _MEAN else 1.0
+    if beta == 0:
+        # torch's kernel takes x >= beta first: the slope at x = 0 is +1, not 0.
+        slope = jnp.where(x < 0, -1.0, 1.0)
+    else:
+        slope = jnp.clip(x / beta, -1.0, 1.0)
+    return (norm * slope).astype(x.dtype) * grad_output
 
 
 @lowers(aten.huber_loss.default, promote="default")
@@ -667,6 +853,18 @@ def huber_loss(self, target, reduction=_MEAN, delta=1.0):
     diff = jnp.abs(self - target)
     loss = jnp.where(diff < delta, 0.5 * diff * diff, delta * (diff - 0.5 * delta))
     return _reduce(loss, reduction)
+
+
+@lowers(
+    aten.huber_loss_backward.default,
+    promote="default",
+    promote_args=("grad_output", "self", "target"),
+)
+def huber_loss_backward(grad_output, self, target, reduction, delta):
+    x = self - target
+    norm = 1.0 / x.size if reduction == _MEAN else 1.0
+    slope = jnp.clip(x, -delta, delta)
+    return (norm * slope).astype(x.dtype) * grad_output
 
 
 # -- fused recurrent cells (torch's LSTM/GRU use these on accelerator devices) --------------------
@@ -696,7 +894,12 @@ def _thnn_fused_lstm_cell_backward_impl(grad_hy, grad_cy, cx, cy, workspace, has
     d_hy = jnp.zeros_like(cy) if grad_hy is None else grad_hy
     d_cy = (jnp.zeros_like(cy) if grad_cy is None else grad_cy) + d_hy * o * (1 - tanh_cy * tanh_cy)
     grad_gates = jnp.concatenate(
-        [d_cy * g * _sigmoid_grad(i), d_cy * cx * _sigmoid_grad(f), d_cy * i * (1 - g * g), d_hy * tanh_cy * _sigmoid_grad(o)],
+        [
+            d_cy * g * _sigmoid_grad(i),
+            d_cy * cx * _sigmoid_grad(f),
+            d_cy * i * (1 - g * g),
+            d_hy * tanh_cy * _sigmoid_grad(o),
+        ],
         axis=1,
     )
     grad_bias = jnp.sum(grad_gates, axis=0) if has_bias else None
@@ -727,5 +930,11 @@ def _thnn_fused_gru_cell_backward(grad_hy, workspace, has_bias):
     grad_hidden_gates = jnp.concatenate([d_r, d_z, d_n * r], axis=1)
     grad_hx = grad_hy * z
     if has_bias:
-        return grad_input_gates, grad_hidden_gates, grad_hx, jnp.sum(grad_input_gates, 0), jnp.sum(grad_hidden_gates, 0)
+        return (
+            grad_input_gates,
+            grad_hidden_gates,
+            grad_hx,
+            jnp.sum(grad_input_gates, 0),
+            jnp.sum(grad_hidden_gates, 0),
+        )
     return grad_input_gates, grad_hidden_gates, grad_hx, None, None

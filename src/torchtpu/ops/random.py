@@ -124,7 +124,9 @@ def randperm(n, dtype=None, layout=None, device=None, pin_memory=None, *, key):
 
 
 @lowers(aten.randperm.generator, random=True)
-def randperm_generator(n, generator=None, dtype=None, layout=None, device=None, pin_memory=None, *, key):
+def randperm_generator(
+    n, generator=None, dtype=None, layout=None, device=None, pin_memory=None, *, key
+):
     return randperm(n, key=key)
 
 

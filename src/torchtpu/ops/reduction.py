@@ -18,6 +18,23 @@ def _axes(self, dim):
     return canonical_dims(dim, self.ndim)
 
 
+# Reductions without an identity (max, median, ...) raise on empty input as torch's CPU
+# kernels do; shapes are static, so this is a trace-time check.
+
+
+def _require_elements(self, name):
+    if self.size == 0:
+        raise RuntimeError(
+            f"{name}(): Expected reduction dim to be specified for input.numel() == 0. "
+            "Specify the reduction dim with the 'dim' argument."
+        )
+
+
+def _require_dim_elements(self, axis, name):
+    if self.shape[axis] == 0:
+        raise IndexError(f"{name}(): Expected reduction dim {axis} to have non-zero size.")
+
+
 @lowers(aten.sum.default, compute_in_result=("self",))
 def sum_(self, dtype=None):
     return jnp.sum(self)
@@ -50,7 +67,9 @@ def prod(self, dtype=None):
 
 @lowers(aten.prod.dim_int, compute_in_result=("self",))
 def prod_dim(self, dim, keepdim=False, dtype=None):
-    return jnp.prod(self, axis=canonical_dim(dim, self.ndim) if self.ndim else None, keepdims=keepdim)
+    return jnp.prod(
+        self, axis=canonical_dim(dim, self.ndim) if self.ndim else None, keepdims=keepdim
+    )
 
 
 @lowers(aten.amax.default)
@@ -65,11 +84,13 @@ def amin(self, dim=(), keepdim=False):
 
 @lowers(aten.max.default)
 def max_(self):
+    _require_elements(self, "max")
     return jnp.max(self)
 
 
 @lowers(aten.min.default)
 def min_(self):
+    _require_elements(self, "min")
     return jnp.min(self)
 
 
@@ -108,6 +129,7 @@ def max_dim(self, dim, keepdim=False):
     if self.ndim == 0:
         return self, jnp.zeros((), jnp.int64)
     axis = canonical_dim(dim, self.ndim)
+    _require_dim_elements(self, axis, "max")
     return jnp.max(self, axis=axis, keepdims=keepdim), jnp.argmax(self, axis=axis, keepdims=keepdim)
 
 
@@ -116,6 +138,7 @@ def min_dim(self, dim, keepdim=False):
     if self.ndim == 0:
         return self, jnp.zeros((), jnp.int64)
     axis = canonical_dim(dim, self.ndim)
+    _require_dim_elements(self, axis, "min")
     return jnp.min(self, axis=axis, keepdims=keepdim), jnp.argmin(self, axis=axis, keepdims=keepdim)
 
 
@@ -139,7 +162,9 @@ def _variance(self, dim, correction, keepdim):
     correction = 1 if correction is None else correction
     mean = jnp.mean(self, axis=axes, keepdims=True)
     centered = self - mean
-    squares = jnp.real(centered * jnp.conj(centered)) if jnp.iscomplexobj(self) else centered * centered
+    squares = (
+        jnp.real(centered * jnp.conj(centered)) if jnp.iscomplexobj(self) else centered * centered
+    )
     total = jnp.sum(squares, axis=axes, keepdims=keepdim)
     var = total / jnp.maximum(n - correction, 0)
     return var, (mean if keepdim else jnp.squeeze(mean, axes) if axes else mean.reshape(()))
@@ -259,7 +284,11 @@ def _cum_extreme(self, dim, better):
         value_b, index_b = b
         # b comes later: take it when better or equal (torch returns the last index
         # of ties), or when it is NaN (NaN propagates).
-        take_b = better(value_b, value_a) | (value_b == value_a) | jnp.isnan(value_b) if jnp.issubdtype(value_a.dtype, jnp.inexact) else better(value_b, value_a) | (value_b == value_a)
+        take_b = (
+            better(value_b, value_a) | (value_b == value_a) | jnp.isnan(value_b)
+            if jnp.issubdtype(value_a.dtype, jnp.inexact)
+            else better(value_b, value_a) | (value_b == value_a)
+        )
         if jnp.issubdtype(value_a.dtype, jnp.inexact):
             take_b = take_b & ~(jnp.isnan(value_a) & ~jnp.isnan(value_b))
         return jnp.where(take_b, value_b, value_a), jnp.where(take_b, index_b, index_a)
@@ -287,7 +316,9 @@ def _sort(self, dim, descending):
     axis = canonical_dim(dim, self.ndim)
     shape = [1] * self.ndim
     shape[axis] = self.shape[axis]
-    index = jnp.broadcast_to(jnp.arange(self.shape[axis], dtype=jnp.int64).reshape(shape), self.shape)
+    index = jnp.broadcast_to(
+        jnp.arange(self.shape[axis], dtype=jnp.int64).reshape(shape), self.shape
+    )
     if not descending:
         # XLA's sort orders NaN last, as torch does.
         _, idx = lax.sort((self, index), dimension=axis, num_keys=1, is_stable=True)
@@ -341,14 +372,21 @@ def _median(self, dim, keepdim, ignore_nan):
     x = self.reshape(-1) if flat else self
     if x.ndim == 0:
         return (x, jnp.zeros((), jnp.int64)) if not flat else x
+    if flat and x.size == 0:
+        return jnp.full((), jnp.nan, x.dtype)  # torch's median of nothing
     axis = 0 if flat else canonical_dim(dim, x.ndim)
+    _require_dim_elements(x, axis, "median")
     values, indices = _sort(x, axis, descending=False)
     n = x.shape[axis]
     if ignore_nan and jnp.issubdtype(x.dtype, jnp.floating):
         count = jnp.sum(~jnp.isnan(x), axis=axis, keepdims=True)
         k = jnp.maximum((count - 1) // 2, 0)
     else:
-        nan_any = jnp.any(jnp.isnan(x), axis=axis, keepdims=True) if jnp.issubdtype(x.dtype, jnp.floating) else False
+        nan_any = (
+            jnp.any(jnp.isnan(x), axis=axis, keepdims=True)
+            if jnp.issubdtype(x.dtype, jnp.floating)
+            else False
+        )
         k = jnp.full((1,) * x.ndim, (n - 1) // 2)
         if nan_any is not False:
             first_nan = jnp.argmax(jnp.isnan(values), axis=axis, keepdims=True)

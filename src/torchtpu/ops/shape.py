@@ -46,18 +46,28 @@ def reflection_pad(self, padding):
     return _pad_mode(self, padding, "reflect")
 
 
-@lowers(aten.replication_pad1d.default, aten.replication_pad2d.default, aten.replication_pad3d.default)
+@lowers(
+    aten.replication_pad1d.default, aten.replication_pad2d.default, aten.replication_pad3d.default
+)
 def replication_pad(self, padding):
     return _pad_mode(self, padding, "edge")
 
 
-@lowers(aten.reflection_pad1d_backward.default, aten.reflection_pad2d_backward.default, aten.reflection_pad3d_backward.default)
+@lowers(
+    aten.reflection_pad1d_backward.default,
+    aten.reflection_pad2d_backward.default,
+    aten.reflection_pad3d_backward.default,
+)
 def reflection_pad_backward(grad_output, self, padding):
     _, vjp = jax.vjp(lambda x: _pad_mode(x, padding, "reflect"), self)
     return vjp(grad_output)[0]
 
 
-@lowers(aten.replication_pad1d_backward.default, aten.replication_pad2d_backward.default, aten.replication_pad3d_backward.default)
+@lowers(
+    aten.replication_pad1d_backward.default,
+    aten.replication_pad2d_backward.default,
+    aten.replication_pad3d_backward.default,
+)
 def replication_pad_backward(grad_output, self, padding):
     _, vjp = jax.vjp(lambda x: _pad_mode(x, padding, "edge"), self)
     return vjp(grad_output)[0]
@@ -127,7 +137,9 @@ def _nearest(self, output_size, scales):
         axis = self.ndim - n + i
         size_in, size_out = self.shape[axis], output_size[i]
         scale = (1.0 / scales[i]) if scales[i] else size_in / size_out
-        src = jnp.minimum(jnp.floor(jnp.arange(size_out) * jnp.float32(scale)).astype(jnp.int64), size_in - 1)
+        src = jnp.minimum(
+            jnp.floor(jnp.arange(size_out) * jnp.float32(scale)).astype(jnp.int64), size_in - 1
+        )
         x = jnp.take(x, src, axis=axis)
     return x
 
@@ -154,21 +166,40 @@ def upsample_bilinear2d(self, output_size, align_corners, scales_h=None, scales_
     return x.astype(self.dtype)
 
 
-@lowers(aten.upsample_nearest2d_backward.default)
-def upsample_nearest2d_backward(grad_output, output_size, input_size, scales_h=None, scales_w=None):
+def _nearest_backward(grad_output, output_size, input_size, scales):
     zeros = jnp.zeros(tuple(input_size), grad_output.dtype)
-    _, vjp = jax.vjp(lambda x: _nearest(x, output_size, (scales_h, scales_w)), zeros)
+    _, vjp = jax.vjp(lambda x: _nearest(x, output_size, scales), zeros)
     return vjp(grad_output)[0]
 
 
+@lowers(aten.upsample_nearest1d_backward.default)
+def upsample_nearest1d_backward(grad_output, output_size, input_size, scales=None):
+    return _nearest_backward(grad_output, output_size, input_size, (scales,))
+
+
+@lowers(aten.upsample_nearest2d_backward.default)
+def upsample_nearest2d_backward(grad_output, output_size, input_size, scales_h=None, scales_w=None):
+    return _nearest_backward(grad_output, output_size, input_size, (scales_h, scales_w))
+
+
+@lowers(aten.upsample_nearest3d_backward.default)
+def upsample_nearest3d_backward(
+    grad_output, output_size, input_size, scales_d=None, scales_h=None, scales_w=None
+):
+    return _nearest_backward(grad_output, output_size, input_size, (scales_d, scales_h, scales_w))
+
+
 @lowers(aten.upsample_bilinear2d_backward.default)
-def upsample_bilinear2d_backward(grad_output, output_size, input_size, align_corners, scales_h=None, scales_w=None):
+def upsample_bilinear2d_backward(
+    grad_output, output_size, input_size, align_corners, scales_h=None, scales_w=None
+):
     zeros = jnp.zeros(tuple(input_size), grad_output.dtype)
-    _, vjp = jax.vjp(lambda x: upsample_bilinear2d(x, output_size, align_corners, scales_h, scales_w), zeros)
+    _, vjp = jax.vjp(
+        lambda x: upsample_bilinear2d(x, output_size, align_corners, scales_h, scales_w), zeros
+    )
     return vjp(grad_output)[0]
 
 
 @lowers(aten.trace.default, compute_in_result=("self",))
 def trace(self):
     return jnp.trace(self)
-

@@ -7,7 +7,9 @@ def canonical_dim(dim: int, ndim: int) -> int:
     """``dim`` in ``range(ndim)``; torch treats a 0-d tensor as having one dim here."""
     n = max(ndim, 1)
     if not -n <= dim < n:
-        raise IndexError(f"Dimension out of range (expected to be in range of [{-n}, {n - 1}], but got {dim})")
+        raise IndexError(
+            f"Dimension out of range (expected to be in range of [{-n}, {n - 1}], but got {dim})"
+        )
     return dim + n if dim < 0 else dim
 
 
@@ -28,6 +30,8 @@ def cast(x, dtype):
     x = jnp.asarray(x)
     if x.dtype == dtype:
         return x
-    if jnp.issubdtype(x.dtype, jnp.complexfloating) and not jnp.issubdtype(dtype, jnp.complexfloating):
+    if jnp.issubdtype(x.dtype, jnp.complexfloating) and not jnp.issubdtype(
+        dtype, jnp.complexfloating
+    ):
         x = jnp.real(x)
     return x.astype(dtype)

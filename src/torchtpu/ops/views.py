@@ -16,7 +16,6 @@ from torchtpu import storage
 from torchtpu.ops.registry import aten, lowers
 from torchtpu.ops.util import canonical_dim
 
-
 # -- exact inverses -------------------------------------------------------------------------
 
 
@@ -49,7 +48,9 @@ def _slice_back(base, value, dim, start, end, step, index=None):
     start, _, step = _slice_bounds(base.shape[dim], start, end, step)
     if step == 1:
         return lax.dynamic_update_slice_in_dim(base, value.astype(base.dtype), start, dim)
-    return storage.scatter_into(base, storage.ViewStep(aten.slice.Tensor, (dim, start, end, step)), value)
+    return storage.scatter_into(
+        base, storage.ViewStep(aten.slice.Tensor, (dim, start, end, step)), value
+    )
 
 
 def _select_back(base, value, dim, index_, index=None):
@@ -59,19 +60,35 @@ def _select_back(base, value, dim, index_, index=None):
 
 
 def _expand_back(base, value, size, implicit=False, index=None):
+    # The copies of an element share its storage. storage.write refuses writes into
+    # the expanded tensor itself, so a write reaching here came through a view (e.g.
+    # a select) that exposes at most one copy of each element: that copy, where it
+    # changed, is the element's new value.
     lead = value.ndim - base.ndim
-    for d, n in enumerate(base.shape):
-        if n == 1 and value.shape[lead + d] != 1:
-            raise RuntimeError(
-                "unsupported operation: more than one element of the written-to tensor refers "
-                "to a single memory location. Please clone() the tensor before performing the operation."
-            )
-    if any(value.shape[d] != 1 for d in range(lead)):
-        raise RuntimeError(
-            "unsupported operation: more than one element of the written-to tensor refers "
-            "to a single memory location. Please clone() the tensor before performing the operation."
-        )
-    return value.reshape(base.shape)
+    copies = tuple(range(lead)) + tuple(
+        lead + d for d, n in enumerate(base.shape) if n == 1 and value.shape[lead + d] != 1
+    )
+    if not copies:
+        return value.reshape(base.shape)
+    old = jnp.broadcast_to(base, value.shape)
+    kept = [d for d in range(value.ndim) if d not in copies]
+    order = list(copies) + kept
+    flat_shape = (-1,) + tuple(value.shape[d] for d in kept)
+    values = jnp.transpose(value, order).reshape(flat_shape)
+    changed = jnp.transpose(_differs(value, old), order).reshape(flat_shape)
+    which = jnp.argmax(changed, axis=0)
+    new = jnp.take_along_axis(values, which[None], axis=0)[0]
+    return jnp.where(changed.any(axis=0), new, values[0]).reshape(base.shape)
+
+
+def _differs(a, b):
+    """Elementwise ``a != b`` on the bits: NaNs equal themselves, -0.0 differs from 0.0."""
+    if jnp.issubdtype(a.dtype, jnp.complexfloating):
+        return _differs(jnp.real(a), jnp.real(b)) | _differs(jnp.imag(a), jnp.imag(b))
+    if jnp.issubdtype(a.dtype, jnp.floating):
+        bits = jnp.dtype(f"uint{a.dtype.itemsize * 8}")
+        return lax.bitcast_convert_type(a, bits) != lax.bitcast_convert_type(b, bits)
+    return a != b
 
 
 def _dtype_view_back(base, value, dtype, index=None):
@@ -219,7 +236,9 @@ def select(self, dim, index):
 @lowers(aten.diagonal.default, view=True)
 @lowers(aten.diagonal_copy.default)
 def diagonal(self, offset=0, dim1=0, dim2=1):
-    return jnp.diagonal(self, offset, canonical_dim(dim1, self.ndim), canonical_dim(dim2, self.ndim))
+    return jnp.diagonal(
+        self, offset, canonical_dim(dim1, self.ndim), canonical_dim(dim2, self.ndim)
+    )
 
 
 @lowers(aten.unfold.default, view=True)
@@ -270,7 +289,11 @@ def unbind(self, dim=0):
 def as_strided(self, size, stride, storage_offset=None, _storage_strides=None):
     """``_storage_strides``: the memory layout of ``self`` when it is a storage's base
     (Note [Storage strides]); as an op of its own, ``self`` is taken as contiguous."""
-    strides = _storage_strides if _storage_strides is not None else storage._contiguous_strides(self.shape)
+    strides = (
+        _storage_strides
+        if _storage_strides is not None
+        else storage._contiguous_strides(self.shape)
+    )
     flat = storage.physical(self, strides)
     offset = storage_offset or 0
     position = jnp.full(tuple(size), offset, dtype=jnp.int64)
@@ -286,24 +309,32 @@ def as_strided(self, size, stride, storage_offset=None, _storage_strides=None):
 def view_dtype(self, dtype):
     from torchtpu import dtypes
 
-    target = dtypes.to_jax(dtype)
-    source = self.dtype
+    # bitcast_convert_type takes neither bool nor complex values: bools travel as
+    # uint8, complex numbers as (real, imag) pairs along the last dim.
     x = self
-    if source == jnp.bool_:
-        x, source = x.astype(jnp.uint8), jnp.dtype(jnp.uint8)
-    bool_target = target == jnp.bool_
-    if bool_target:
-        target = jnp.dtype(jnp.uint8)
-    ratio = source.itemsize / target.itemsize
+    if x.dtype == jnp.bool_:
+        x = x.astype(jnp.uint8)
+    elif jnp.issubdtype(x.dtype, jnp.complexfloating):
+        x = jnp.stack([jnp.real(x), jnp.imag(x)], axis=-1).reshape(*x.shape[:-1], -1)
+    target = dtypes.to_jax(dtype)
+    if target == jnp.bool_:
+        return _bitcast(x, jnp.dtype(jnp.uint8)).astype(jnp.bool_)
+    if jnp.issubdtype(target, jnp.complexfloating):
+        pairs = _bitcast(x, jnp.finfo(target).dtype)
+        return lax.complex(pairs[..., 0::2], pairs[..., 1::2])
+    return _bitcast(x, target)
+
+
+def _bitcast(x, target):
+    """``x``'s bytes as ``target`` values; the last dim scales with the element size."""
+    ratio = x.dtype.itemsize / target.itemsize
     if ratio == 1:
+        return lax.bitcast_convert_type(x, target)
+    if ratio > 1:  # to a smaller type: the last dim grows
         out = lax.bitcast_convert_type(x, target)
-    elif ratio > 1:  # to a smaller type: the last dim grows
-        out = lax.bitcast_convert_type(x, target)
-        out = out.reshape(*x.shape[:-1], x.shape[-1] * int(ratio)) if x.ndim else out.reshape(-1)
-    else:  # to a larger type: the last dim shrinks
-        k = int(round(1 / ratio))
-        out = lax.bitcast_convert_type(x.reshape(*x.shape[:-1], x.shape[-1] // k, k), target)
-    return out.astype(jnp.bool_) if bool_target else out
+        return out.reshape(*x.shape[:-1], x.shape[-1] * int(ratio)) if x.ndim else out.reshape(-1)
+    k = int(round(1 / ratio))  # to a larger type: the last dim shrinks
+    return lax.bitcast_convert_type(x.reshape(*x.shape[:-1], x.shape[-1] // k, k), target)
 
 
 @lowers(aten.view_as_real.default, view=True, view_inverse=_view_as_real_back)
@@ -338,4 +369,3 @@ def alias_copy(self):
 @lowers(aten.clone.default)
 def clone(self, memory_format=None):
     return self
-

@@ -1,0 +1,68 @@
+"""Shared helpers: every test compares the tpu device against PyTorch on the CPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import torchtpu
+
+MODES = ["strict", "debug"]
+
+
+@pytest.fixture(params=MODES)
+def mode(request):
+    """Run the test in each eager mode that exists."""
+    with torchtpu.set_eager_mode(request.param):
+        yield request.param
+
+
+@pytest.fixture(autouse=True)
+def _fresh_state(request):
+    """Each test starts with zeroed metrics and no pending checks, and may not use the
+    CPU fallback unless marked ``allow_fallback``: the ops the suite covers must have
+    lowerings. (Checked here rather than by turning TPUFallbackWarning into an error:
+    an exception raised from a warning inside autograd's engine aborts the process.)"""
+    from torchtpu import checks
+
+    torchtpu.reset_metrics()
+    checks._pending.clear()
+    yield
+    checks._pending.clear()
+    fallbacks = torchtpu.metrics().get("fallback")
+    if fallbacks and request.node.get_closest_marker("allow_fallback") is None:
+        pytest.fail(f"ops ran on the CPU fallback: {fallbacks}", pytrace=False)
+
+
+def tpu(x):
+    """A tpu copy of a CPU tensor (or pytree of them)."""
+    return torchtpu.to_tpu(x)
+
+
+def assert_same(actual, expected, *, rtol=None, atol=None, check_stride=False):
+    """``actual`` (tpu) equals ``expected`` (CPU): values, dtype, shape, device type.
+
+    Works on tensors and nested tuples/lists of them; other values compare with ==.
+    """
+    if isinstance(expected, (tuple, list)):
+        assert isinstance(actual, (tuple, list)), f"expected a sequence, got {type(actual)}"
+        assert len(actual) == len(expected)
+        for a, e in zip(actual, expected):
+            assert_same(a, e, rtol=rtol, atol=atol, check_stride=check_stride)
+        return
+    if isinstance(expected, torch.Tensor):
+        assert isinstance(actual, torch.Tensor), f"expected a tensor, got {type(actual)}"
+        assert actual.device.type == "tpu", f"result is on {actual.device}, not tpu"
+        assert actual.dtype == expected.dtype, f"dtype {actual.dtype} != {expected.dtype}"
+        assert actual.shape == expected.shape, (
+            f"shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+        )
+        if check_stride:
+            assert actual.stride() == expected.stride(), (
+                f"stride {actual.stride()} != {expected.stride()}"
+            )
+        torch.testing.assert_close(
+            actual.detach().cpu(), expected.detach(), rtol=rtol, atol=atol, equal_nan=True
+        )
+        return
+    assert actual == expected, f"{actual!r} != {expected!r}"

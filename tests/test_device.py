@@ -1,0 +1,144 @@
+"""The tpu device: registration, autoload, torch.tpu, moving things to and from it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn as nn
+
+import torchtpu
+from conftest import assert_same
+
+
+def _run(code: str, **env) -> str:
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **env},
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+def test_import_torch_alone_registers_the_device_without_importing_jax():
+    out = _run(
+        "import sys, torch\n"
+        "print('jax' in sys.modules, torch.device('tpu'), hasattr(torch, 'tpu'))\n"
+        "x = torch.randn(4, 4, device='tpu'); print((x @ x).cpu().shape, 'jax' in sys.modules)"
+    )
+    assert out.split() == ["False", "tpu", "True", "torch.Size([4,", "4])", "True"]
+
+
+def test_autoload_can_be_disabled():
+    out = _run("import torch; print(hasattr(torch, 'tpu'))", TORCH_DEVICE_BACKEND_AUTOLOAD="0")
+    assert out.strip() == "False"
+
+
+def test_device_module_api():
+    assert torch.tpu is torchtpu.device
+    assert torch.tpu.is_available()
+    assert torch.tpu.device_count() >= 1
+    assert torch.tpu.current_device() == 0
+    torch.tpu.set_device(0)
+    torch.tpu.set_device("tpu:0")
+    with pytest.raises(RuntimeError, match="does not exist"):
+        torch.tpu.set_device(torch.tpu.device_count())
+    torch.tpu.synchronize()
+    assert torch.tpu.get_device_name() == "cpu (XLA)"  # JAX runs on its CPU backend here
+    props = torch.tpu.get_device_properties(0)
+    assert props.name == "cpu (XLA)" and props.platform == "cpu"
+    assert torch.tpu.EagerMode.DEFER_NEVER is torchtpu.EagerMode.DEFER_NEVER
+    assert torch.tpu.eager_mode is torch.tpu.EagerMode.DEFER_NEVER
+    assert torch.tpu.Precision.HIGHEST.value == "highest"
+    assert torch.tpu.get_amp_supported_dtype() == [torch.bfloat16, torch.float16]
+
+
+def test_manual_seed_and_rng_state():
+    torch.tpu.manual_seed(123)
+    assert torch.tpu.initial_seed() == 123
+    state = torch.tpu.get_rng_state()
+    a = torch.randn(5, device="tpu").cpu()
+    torch.tpu.set_rng_state(state)
+    b = torch.randn(5, device="tpu").cpu()
+    assert torch.equal(a, b)
+    torch.manual_seed(7)  # torch's own seeding reaches the tpu generator
+    assert torch.tpu.initial_seed() == 7
+    torch.tpu.manual_seed_all(7)
+    assert torch.equal(
+        torch.randn(3, device="tpu").cpu(),
+        (torch.manual_seed(7), torch.randn(3, device="tpu").cpu())[1],
+    )
+
+
+@pytest.mark.parametrize("spelling", ["tpu", "tpu:0", torch.device("tpu"), torch.device("tpu", 0)])
+def test_tensor_to_tpu_and_back(spelling):
+    x = torch.randn(3, 4)
+    t = x.to(spelling)
+    assert isinstance(t, torchtpu.TPUTensor) and t.device == torch.device("tpu:0")
+    assert torch.equal(t.cpu(), x) and torch.equal(t.to("cpu"), x)
+    assert torch.equal(x.tpu().cpu(), x)
+
+
+def test_to_tpu_moves_pytrees_and_modules():
+    model = nn.Linear(3, 2)
+    batch = {"x": torch.randn(2, 3), "pair": (torch.arange(3), 5), "name": "batch", "none": None}
+    moved = torchtpu.to_tpu(batch)
+    assert moved["x"].device.type == "tpu" and moved["pair"][0].device.type == "tpu"
+    assert moved["pair"][1] == 5 and moved["name"] == "batch" and moved["none"] is None
+    assert_same(moved["x"], batch["x"])
+    assert torchtpu.to_tpu(model) is model
+    assert all(p.device.type == "tpu" and isinstance(p, nn.Parameter) for p in model.parameters())
+    with pytest.raises(ValueError, match="tpu device"):
+        torchtpu.to_tpu(batch, "cpu")
+
+
+def test_module_to_tpu_keeps_parameters_trainable():
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)).to("tpu")
+    assert all(isinstance(p, nn.Parameter) and p.requires_grad for p in model.parameters())
+    assert model[1].running_mean.device.type == "tpu"
+    model.half()
+    assert model[0].weight.dtype == torch.float16 and model[0].weight.device.type == "tpu"
+    model.to("cpu")
+    assert model[0].weight.device.type == "cpu"
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda d: torch.zeros(2, 3, device=d),
+        lambda d: torch.ones(2, 3, dtype=torch.int32, device=d),
+        lambda d: torch.empty(2, 3, device=d).shape,
+        lambda d: torch.full((2,), 1.5, device=d),
+        lambda d: torch.arange(10, device=d),
+        lambda d: torch.arange(1, 4, 0.5, device=d),
+        lambda d: torch.eye(3, 4, device=d),
+        lambda d: torch.linspace(-1, 1, 7, device=d),
+        lambda d: torch.tensor([[1, 2], [3, 4]], device=d),
+        lambda d: torch.tensor(2.5, device=d),
+        lambda d: torch.randn(2, 3, device=d).shape,
+        lambda d: torch.rand(2, 3, device=d).dtype,
+        lambda d: torch.randint(0, 5, (3,), device=d).dtype,
+    ],
+)
+def test_factories(make):
+    expected = make("cpu")
+    actual = make("tpu")
+    if isinstance(expected, torch.Tensor):
+        assert_same(actual, expected)
+    else:
+        assert actual == expected
+
+
+def test_mixing_cpu_and_tpu_tensors():
+    t = torch.ones(3, device="tpu")
+    assert_same(t + torch.tensor(2.0), torch.ones(3) + 2)  # 0-d CPU tensors join like scalars
+    with pytest.raises(RuntimeError, match="same device"):
+        t + torch.ones(3)
+    with pytest.raises(RuntimeError, match="same device"):
+        torch.mm(torch.ones(2, 2, device="tpu"), torch.ones(2, 2))

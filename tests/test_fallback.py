@@ -1,0 +1,80 @@
+"""Ops without a lowering or decomposition run on the CPU: counted, warned once, or
+refused with NotImplementedError naming the op."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import torchtpu
+from conftest import assert_same
+
+# An op torchtpu has no lowering for and torch._decomp does not decompose.
+NO_LOWERING = torch.ops.aten._cdist_forward.default
+
+
+def _call():
+    a, b = torch.randn(4, 3), torch.randn(5, 3)
+    return NO_LOWERING(a.to("tpu"), b.to("tpu"), 2.0, None), NO_LOWERING(a, b, 2.0, None)
+
+
+@pytest.fixture
+def fallback_on():
+    previous = torchtpu.config.cpu_fallback
+    torchtpu.config.cpu_fallback = True
+    from torchtpu import fallback
+
+    fallback._warned.discard(NO_LOWERING)
+    yield
+    torchtpu.config.cpu_fallback = previous
+
+
+@pytest.mark.allow_fallback
+def test_fallback_runs_on_cpu_is_counted_and_warns_once(fallback_on):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        actual, expected = _call()
+        _call()
+    assert_same(actual, expected)
+    fallback_warnings = [w for w in caught if issubclass(w.category, torchtpu.TPUFallbackWarning)]
+    assert len(fallback_warnings) == 1
+    assert "aten._cdist_forward.default" in str(fallback_warnings[0].message)
+    assert fallback_warnings[0].filename == __file__  # points at the caller
+    assert torchtpu.metrics()["fallback"] == {"aten._cdist_forward.default": 2}
+
+
+def test_fallback_can_be_turned_into_an_error(fallback_on):
+    torchtpu.config.cpu_fallback = False
+    with pytest.raises(NotImplementedError, match="aten._cdist_forward.default"):
+        _call()
+
+
+@pytest.mark.allow_fallback
+def test_fallback_writes_mutated_arguments_back(fallback_on):
+    from torchtpu.fallback import run_on_cpu
+
+    x = torch.zeros(3, device="tpu")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = run_on_cpu(torch.ops.aten.add_.Tensor, (x, torch.ones(3, device="tpu")), {})
+    assert out is x
+    assert torch.equal(x.cpu(), torch.ones(3))
+
+
+def test_decompositions_are_counted():
+    from torch._decomp import decomposition_table
+
+    from torchtpu.ops import TABLE
+
+    candidates = [
+        torch.ops.aten.hardshrink.default,
+        torch.ops.aten.softshrink.default,
+        torch.ops.aten.logaddexp.default,
+    ]
+    op = next(c for c in candidates if c not in TABLE and c in decomposition_table)
+    x = torch.randn(3, 4)
+    args = (x, x * 2) if op is torch.ops.aten.logaddexp.default else (x, 0.5)
+    assert_same(op(*[a.to("tpu") if isinstance(a, torch.Tensor) else a for a in args]), op(*args))
+    assert torchtpu.metrics()["decomposed"][str(op)] == 1

@@ -1,0 +1,107 @@
+"""Eager modes: selection, Debug's immediate errors pointing at the user's line."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import torchtpu
+from torchtpu import EagerMode
+
+
+def _mode_in_subprocess(**env) -> subprocess.CompletedProcess:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHTPU_", "TORCH_TPU_"))}
+    return subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import torch; torch.ones(1, device='tpu'); print(torch.tpu.eager_mode.name)",
+        ],
+        capture_output=True,
+        text=True,
+        env={**clean, **env},
+        timeout=300,
+    )
+
+
+@pytest.mark.parametrize(
+    "env, expected",
+    [
+        ({}, "DEFER_NEVER"),
+        ({"TORCHTPU_EAGER_MODE": "strict"}, "DEFER_NEVER"),
+        ({"TORCHTPU_EAGER_MODE": "debug"}, "DEFER_NEVER_AND_LAUNCH_BLOCKING"),
+        ({"TORCH_TPU_LAUNCH_BLOCKING": "1"}, "DEFER_NEVER_AND_LAUNCH_BLOCKING"),
+    ],
+)
+def test_mode_from_environment(env, expected):
+    result = _mode_in_subprocess(**env)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == expected
+
+
+def test_defer_and_fuse_is_refused_clearly_until_it_exists():
+    with pytest.raises(NotImplementedError, match="DEFER_AND_FUSE"):
+        torch.tpu.set_eager_mode(EagerMode.DEFER_AND_FUSE)
+    with pytest.raises(NotImplementedError, match="DEFER_AND_FUSE"):
+        torch.tpu.eager_mode = "defer"
+    result = _mode_in_subprocess(TORCHTPU_EAGER_MODE="defer")
+    assert result.returncode != 0 and "DEFER_AND_FUSE" in result.stderr
+    assert torch.tpu.eager_mode is EagerMode.DEFER_NEVER  # nothing changed
+
+
+def test_set_eager_mode_is_a_context_manager_and_a_setter():
+    assert torch.tpu.eager_mode is EagerMode.DEFER_NEVER
+    with torch.tpu.set_eager_mode("debug"):
+        assert torch.tpu.eager_mode is EagerMode.DEFER_NEVER_AND_LAUNCH_BLOCKING
+        torch.ones(2, device="tpu").add(1)
+    assert torch.tpu.eager_mode is EagerMode.DEFER_NEVER
+    torch.tpu.eager_mode = EagerMode.DEBUG
+    try:
+        assert torch.tpu.eager_mode is EagerMode.DEFER_NEVER_AND_LAUNCH_BLOCKING
+    finally:
+        torch.tpu.eager_mode = "strict"
+    with pytest.raises(ValueError, match="unknown eager mode"):
+        torch.tpu.set_eager_mode("fast")
+
+
+def test_ops_are_counted_per_mode():
+    x = torch.ones(4, device="tpu")
+    torchtpu.reset_metrics()
+    x + 1
+    with torch.tpu.set_eager_mode("debug"):
+        x * 2
+        x - 3
+    counts = torchtpu.metrics()["ops"]
+    assert counts == {"strict": 1, "debug": 2}
+
+
+def test_debug_mode_raises_at_the_op_naming_it_and_the_user_line():
+    x = torch.arange(3.0, device="tpu")
+    bad = torch.tensor([5], device="tpu")
+    with torch.tpu.set_eager_mode("debug"):
+        with pytest.raises(IndexError) as info:
+            x[bad]  # this line
+    line = sys._getframe().f_lineno - 1
+    text = str(info.value) + "\n".join(getattr(info.value, "__notes__", []))
+    assert "aten.index.Tensor" in text
+    assert "float32[3]" in text and "int64[1]" in text
+    assert f"{__file__}:{line}" in text
+
+
+def test_strict_mode_raises_the_same_error_at_the_next_read():
+    x = torch.arange(3.0, device="tpu")
+    y = x[torch.tensor([5], device="tpu")]  # queued; checked at the next read
+    line = sys._getframe().f_lineno - 1
+    with pytest.raises(IndexError) as info:
+        y.cpu()
+    assert "aten.index.Tensor" in str(info.value) and f"{__file__}:{line}" in str(info.value)
+    torch.tpu.synchronize()  # the failed check was consumed
+
+
+def test_lowering_errors_name_the_op_in_both_modes(mode):
+    with pytest.raises(RuntimeError, match="aten.mm.default"):
+        torch.ones(2, 3, device="tpu") @ torch.ones(4, 5, device="tpu")

@@ -1,0 +1,185 @@
+"""End-to-end training on tpu equals training on the CPU, step by step."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import torchtpu
+
+
+def _train(make_model, batch, loss_fn, make_opt, device, steps, *, scheduler=None, clip=None):
+    torch.manual_seed(0)
+    model = make_model().to(device)
+    batch = [t.to(device) for t in batch]
+    opt = make_opt(model.parameters())
+    sched = scheduler(opt) if scheduler else None
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = loss_fn(model, *batch)
+        loss.backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        if sched:
+            sched.step()
+        losses.append(loss.item())
+    return losses, {k: v.detach().cpu() for k, v in model.state_dict().items()}
+
+
+def _compare(*args, atol=1e-5, **kwargs):
+    with warnings.catch_warnings(record=True) as cpu_warnings:
+        warnings.simplefilter("always")
+        cpu_losses, cpu_state = _train(*args, device="cpu", **kwargs)
+    with warnings.catch_warnings(record=True) as tpu_warnings:
+        warnings.simplefilter("always")
+        tpu_losses, tpu_state = _train(*args, device="tpu", **kwargs)
+    assert [str(w.message) for w in tpu_warnings] == [str(w.message) for w in cpu_warnings]
+    torch.testing.assert_close(
+        torch.tensor(tpu_losses), torch.tensor(cpu_losses), rtol=0, atol=atol
+    )
+    for name, value in cpu_state.items():
+        torch.testing.assert_close(
+            tpu_state[name], value, rtol=1e-4, atol=atol, msg=lambda m, n=name: f"{n}: {m}"
+        )
+    return tpu_losses
+
+
+def _mlp():
+    return nn.Sequential(nn.Linear(512, 1024), nn.ReLU(), nn.Linear(1024, 10))
+
+
+def _mlp_batch():
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(64, 512, generator=g), torch.randint(0, 10, (64,), generator=g)
+
+
+@pytest.mark.parametrize("foreach", [False, True])
+def test_mlp_sgd_20_steps_matches_cpu(mode, foreach):
+    """The seed's MLP (512 -> 1024 -> 10, SGD): losses equal CPU's to 1e-5."""
+    losses = _compare(
+        _mlp,
+        _mlp_batch(),
+        lambda m, x, y: F.cross_entropy(m(x), y),
+        lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, foreach=foreach),
+        steps=20,
+    )
+    assert losses[-1] < losses[0]
+    assert "fallback" not in torchtpu.metrics()
+
+
+class _CNN(nn.Module):
+    def __init__(self):
+        super().__init__()
+        # No bias before BatchNorm: its gradient is rounding noise, which Adam would amplify.
+        self.conv1 = nn.Conv2d(3, 8, 3, padding=1, bias=False)
+        self.bn = nn.BatchNorm2d(8)
+        self.pool = nn.MaxPool2d(2)
+        self.conv2 = nn.Conv2d(8, 16, 3, stride=2)
+        self.gap = nn.AdaptiveAvgPool2d(1)
+        self.drop = nn.Dropout(0.0)  # p=0: identical on both devices
+        self.fc = nn.Linear(16, 5)
+
+    def forward(self, x):
+        x = self.pool(F.relu(self.bn(self.conv1(x))))
+        x = F.relu(self.conv2(x))
+        return self.fc(self.drop(self.gap(x).flatten(1)))
+
+
+def test_cnn_adam_matches_cpu(mode):
+    g = torch.Generator().manual_seed(2)
+    batch = torch.randn(4, 3, 16, 16, generator=g), torch.randint(0, 5, (4,), generator=g)
+    _compare(
+        _CNN,
+        batch,
+        lambda m, x, y: F.cross_entropy(m(x), y),
+        lambda p: torch.optim.Adam(p, lr=1e-2),
+        steps=3,
+    )
+    assert "fallback" not in torchtpu.metrics()
+
+
+class _Block(nn.Module):
+    """A transformer block: embedding with padding_idx, LayerNorm, attention with a
+    causal and a padding mask through scaled_dot_product_attention, GELU MLP."""
+
+    def __init__(self, vocab=50, d=32, heads=4):
+        super().__init__()
+        self.heads = heads
+        self.emb = nn.Embedding(vocab, d, padding_idx=0)
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.ff = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, tokens):
+        x = self.emb(tokens)
+        B, T, D = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(D, dim=-1)
+        q, k, v = (t.view(B, T, self.heads, D // self.heads).transpose(1, 2) for t in (q, k, v))
+        causal = torch.tril(torch.ones(T, T, dtype=torch.bool, device=x.device))
+        keep = causal & (tokens != 0)[:, None, None, :] | torch.eye(
+            T, dtype=torch.bool, device=x.device
+        )
+        attn = F.scaled_dot_product_attention(q, k, v, attn_mask=keep)
+        x = x + self.proj(attn.transpose(1, 2).reshape(B, T, D))
+        x = x + self.ff(self.ln2(x))
+        return torch.softmax(self.head(x), dim=-1).log()
+
+
+def test_transformer_block_adamw_clip_scheduler_matches_cpu(mode):
+    tokens = torch.randint(1, 50, (2, 8), generator=torch.Generator().manual_seed(3))
+    tokens[0, :2] = 0  # padding
+    _compare(
+        _Block,
+        (tokens,),
+        lambda m, t: F.nll_loss(m(t).flatten(0, 1), t.flatten(), ignore_index=0),
+        # The key bias gets a zero gradient (softmax ignores a constant per query), i.e.
+        # rounding noise; a larger eps keeps AdamW from blowing the noise up to lr.
+        lambda p: torch.optim.AdamW(p, lr=1e-2, eps=1e-6),
+        steps=3,
+        scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5),
+        clip=1.0,
+    )
+    assert "fallback" not in torchtpu.metrics()
+
+
+@pytest.mark.parametrize("rnn", [nn.LSTM, nn.GRU])
+@pytest.mark.parametrize("batch_first", [False, True])
+def test_recurrent_sgd_matches_cpu(rnn, batch_first):
+    x = torch.randn(3, 5, 6, generator=torch.Generator().manual_seed(4))
+    _compare(
+        lambda: rnn(6, 8, num_layers=2, batch_first=batch_first),
+        (x,),
+        lambda m, x: m(x)[0].pow(2).mean(),
+        lambda p: torch.optim.SGD(p, lr=0.5),
+        steps=3,
+    )
+    assert "fallback" not in torchtpu.metrics()
+
+
+@pytest.mark.parametrize(
+    "loss",
+    [
+        lambda out, y: F.cross_entropy(out, y),
+        lambda out, y: F.nll_loss(F.log_softmax(out, -1), y),
+        lambda out, y: F.mse_loss(out, F.one_hot(y, 10).float()),
+        lambda out, y: F.binary_cross_entropy(torch.sigmoid(out), F.one_hot(y, 10).float()),
+        lambda out, y: F.binary_cross_entropy_with_logits(out, F.one_hot(y, 10).float()),
+    ],
+    ids=["cross_entropy", "nll", "mse", "bce", "bce_with_logits"],
+)
+def test_losses_train_like_cpu(loss):
+    x, y = _mlp_batch()
+    _compare(
+        lambda: nn.Sequential(nn.Linear(512, 32), nn.Tanh(), nn.Linear(32, 10)),
+        (x, y),
+        lambda m, x, y: loss(m(x), y),
+        lambda p: torch.optim.SGD(p, lr=0.1),
+        steps=3,
+    )
