@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 import torchtpu
 
-MODES = ["strict", "debug"]
+# The suite is hermetic: compiled programs are not read from (nor written to) the
+# user's persistent compilation cache, here and in the subprocesses tests start.
+# (Set before the JAX runtime starts.)
+os.environ["TORCHTPU_COMPILE_CACHE_DIR"] = "0"
+torchtpu.config.compile_cache_dir = None
+
+MODES = ["strict", "debug", "defer"]
 
 
 @pytest.fixture(params=MODES)

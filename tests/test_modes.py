@@ -35,22 +35,14 @@ def _mode_in_subprocess(**env) -> subprocess.CompletedProcess:
         ({"TORCHTPU_EAGER_MODE": "strict"}, "DEFER_NEVER"),
         ({"TORCHTPU_EAGER_MODE": "debug"}, "DEFER_NEVER_AND_LAUNCH_BLOCKING"),
         ({"TORCH_TPU_LAUNCH_BLOCKING": "1"}, "DEFER_NEVER_AND_LAUNCH_BLOCKING"),
+        ({"TORCHTPU_EAGER_MODE": "defer"}, "DEFER_AND_FUSE"),
+        ({"TORCH_TPU_DEFER_AND_FUSE": "1"}, "DEFER_AND_FUSE"),
     ],
 )
 def test_mode_from_environment(env, expected):
     result = _mode_in_subprocess(**env)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == expected
-
-
-def test_defer_and_fuse_is_refused_clearly_until_it_exists():
-    with pytest.raises(NotImplementedError, match="DEFER_AND_FUSE"):
-        torch.tpu.set_eager_mode(EagerMode.DEFER_AND_FUSE)
-    with pytest.raises(NotImplementedError, match="DEFER_AND_FUSE"):
-        torch.tpu.eager_mode = "defer"
-    result = _mode_in_subprocess(TORCHTPU_EAGER_MODE="defer")
-    assert result.returncode != 0 and "DEFER_AND_FUSE" in result.stderr
-    assert torch.tpu.eager_mode is EagerMode.DEFER_NEVER  # nothing changed
 
 
 def test_set_eager_mode_is_a_context_manager_and_a_setter():
@@ -75,8 +67,10 @@ def test_ops_are_counted_per_mode():
     with torch.tpu.set_eager_mode("debug"):
         x * 2
         x - 3
+    with torch.tpu.set_eager_mode("defer"):
+        x / 4
     counts = torchtpu.metrics()["ops"]
-    assert counts == {"strict": 1, "debug": 2}
+    assert counts == {"strict": 1, "debug": 2, "defer": 1}
 
 
 def test_debug_mode_raises_at_the_op_naming_it_and_the_user_line():

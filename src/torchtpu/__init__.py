@@ -19,19 +19,26 @@ import torch
 
 from torchtpu import config, device
 from torchtpu.counters import metrics, metrics_report, reset_metrics
+from torchtpu.explain import Explanation, explain
 from torchtpu.fallback import TPUFallbackWarning
 from torchtpu.matmul_precision import Precision, precision
 from torchtpu.modes import EagerMode, set_eager_mode
+from torchtpu.perf_warnings import TPUFlushWarning, TPUPerformanceWarning, TPURecompileWarning
 from torchtpu.tensor import TPUTensor
 
 __version__ = "0.1.0"
 
 __all__ = [
     "EagerMode",
+    "Explanation",
     "Precision",
     "TPUFallbackWarning",
+    "TPUFlushWarning",
+    "TPUPerformanceWarning",
+    "TPURecompileWarning",
     "TPUTensor",
     "config",
+    "explain",
     "metrics",
     "metrics_report",
     "precision",
@@ -70,10 +77,12 @@ def to_tpu(obj, device: str | int | torch.device = "tpu"):
 def sync() -> None:
     """Wait for every queued op to finish; raise any pending value check (e.g. an
     index out of range) with the op and user line that caused it."""
-    from torchtpu import checks
+    if "jax" not in sys.modules:  # no tpu tensor was ever made
+        return
+    import jax
 
+    from torchtpu import checks, defer
+
+    defer.flush("sync")
     checks.raise_pending()
-    if "jax" in sys.modules:  # no tpu tensor was ever made otherwise
-        import jax
-
-        jax.block_until_ready(jax.live_arrays())
+    jax.block_until_ready(jax.live_arrays())

@@ -40,11 +40,46 @@ cpu_fallback: bool = _env_flag("TORCHTPU_CPU_FALLBACK", True)
 #: takes effect before the JAX backend starts.
 cpu_async_dispatch: bool = _env_flag("TORCHTPU_CPU_ASYNC_DISPATCH", False)
 
+#: How many compiled per-op functions (and, separately, DeferAndFuse chunks) stay
+#: cached; the least recently used are dropped beyond that. A compiled function
+#: holds ~1-2 MB of host memory on XLA:CPU.
+op_cache_size: int = int(os.environ.get("TORCHTPU_OP_CACHE_SIZE", "1024"))
+chunk_cache_size: int = int(os.environ.get("TORCHTPU_CHUNK_CACHE_SIZE", "256"))
+
+
+def _env_cache_dir() -> str | None:
+    value = os.environ.get("TORCHTPU_COMPILE_CACHE_DIR")
+    if value is not None:
+        return None if value.strip().lower() in ("", "0", "off", "false", "no") else value
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(root, "torchtpu", "xla")
+
+
+#: Where compiled XLA programs persist between processes (JAX's persistent compilation
+#: cache), so a second run of the same program warm-starts. None turns it off
+#: (TORCHTPU_COMPILE_CACHE_DIR=0). Takes effect when the JAX runtime starts.
+compile_cache_dir: str | None = _env_cache_dir()
+
+#: Only programs that took at least this long to compile are written to that cache
+#: (reading one back costs a few milliseconds), and it is kept under this many bytes.
+compile_cache_min_seconds: float = float(os.environ.get("TORCHTPU_COMPILE_CACHE_MIN_SECONDS", "0"))
+compile_cache_max_bytes: int = int(os.environ.get("TORCHTPU_COMPILE_CACHE_MAX_BYTES", str(2 << 30)))
+
+#: DeferAndFuse flushes when this many ops are queued (a bound on a chunk's size and
+#: on compile time), even without a read of values.
+defer_max_ops: int = int(os.environ.get("TORCHTPU_DEFER_MAX_OPS", "2048"))
+
+#: Warn (once per user line) when a line has compiled this many programs, or has
+#: flushed the DeferAndFuse queue this many times (perf_warnings.py).
+recompile_warn_after: int = int(os.environ.get("TORCHTPU_RECOMPILE_WARN_AFTER", "8"))
+flush_warn_after: int = int(os.environ.get("TORCHTPU_FLUSH_WARN_AFTER", "50"))
+
 #: Deferred device-side checks (an index out of range) are checked at the latest when
 #: this many are pending, even without a read of values.
 max_pending_checks: int = int(os.environ.get("TORCHTPU_MAX_PENDING_CHECKS", "256"))
 
-#: Which OpInfo conformance cases the test suite runs: "ci" (float32 forward of every
-#: op and variant, in Strict) or "full" (every dtype, gradients, error inputs, every
-#: mode). ``python -m torchtpu.conformance`` always runs the full set.
+#: Which OpInfo conformance cases the test suite runs: "ci" (the first float32 forward
+#: samples of every op, in Strict), "forward" (every float32 forward sample of every
+#: variant, in Strict) or "full" (every dtype, gradients, error inputs, every mode).
+#: See harness.SCOPES; ``python -m torchtpu.conformance --scope`` takes the same names.
 conformance_scope: str = os.environ.get("TORCHTPU_CONFORMANCE", "ci").strip().lower()

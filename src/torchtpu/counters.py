@@ -17,6 +17,40 @@ def count(category: str, name: str, n: float = 1) -> None:
     _counts[category][name] += n
 
 
+# Event logs being recorded (torchtpu.explain); empty almost always, so `event` is cheap.
+_recorders: list[list] = []
+
+
+def event(kind: str, **details) -> None:
+    """Note an event (a flush, a compile, a fallback) for any running explain()."""
+    for log in _recorders:
+        log.append((kind, details))
+
+
+class LRUCache(collections.OrderedDict):
+    """A dict keeping the ``capacity()`` most recently used entries; evictions are
+    counted as ``<name>/evicted``."""
+
+    def __init__(self, name: str, capacity):
+        super().__init__()
+        self.name, self.capacity = name, capacity
+
+    def lookup(self, key):
+        value = self.get(key)
+        if value is None:
+            count(self.name, "miss")
+        else:
+            self.move_to_end(key)
+            count(self.name, "hit")
+        return value
+
+    def insert(self, key, value) -> None:
+        self[key] = value
+        while len(self) > self.capacity():
+            self.popitem(last=False)
+            count(self.name, "evicted")
+
+
 def metrics() -> dict[str, dict[str, float]]:
     """A snapshot of all counters: ``{category: {name: value}}``.
 

@@ -38,7 +38,33 @@ def dispatch(func, args, kwargs):
         handler = _HANDLERS[func] = _choose(func)
         if func in _TAKES_INDICES:
             handler = _HANDLERS[func] = _integer_indices(handler)
+        if func in _BATCH_NORM_TRAINING_ARG:
+            handler = _HANDLERS[func] = _empty_stats_in_eval(handler, func)
     return handler(func, args, kwargs)
+
+
+# Batch norm ops and the position of their `training` argument (None: always eval).
+# In eval mode torch's CPU and CUDA kernels return the saved mean and invstd empty,
+# while the meta kernels (our shape oracle) size them (C,).
+_BATCH_NORM_TRAINING_ARG = {
+    aten._native_batch_norm_legit.default: 5,
+    aten._native_batch_norm_legit_no_training.default: None,
+    aten._batch_norm_no_update.default: None,
+}
+
+
+def _empty_stats_in_eval(handler, func):
+    position = _BATCH_NORM_TRAINING_ARG[func]
+    info = schema.info(func)
+
+    def with_empty_stats(func, args, kwargs):
+        result = handler(func, args, kwargs)
+        if position is not None and info.bind(args, kwargs)[position]:
+            return result
+        out, mean, invstd, *rest = result
+        return (out, mean.new_empty((0,)), invstd.new_empty((0,)), *rest)
+
+    return with_empty_stats
 
 
 # Ops taking a list of indices, where torch turns a boolean mask into the integer
@@ -107,13 +133,7 @@ def _lowered_handler(info, lowering):
         mode = modes.current()
         counters.count("ops", mode.value)
         values = info.bind(args, kwargs)
-        return plans.run(
-            op,
-            lowering,
-            info,
-            values,
-            debug=mode is modes.EagerMode.DEFER_NEVER_AND_LAUNCH_BLOCKING,
-        )
+        return plans.run(op, lowering, info, values, mode)
 
     return handler
 
@@ -351,9 +371,9 @@ def _copy_(func, args, kwargs):
         src = from_cpu(src, dst._storage.device_index)
     elif src._storage.device_index != dst._storage.device_index:
         src = _move(src, dst._storage.device_index)
-    if whole and src.dtype == dst.dtype and src._storage.array is not None:
-        # JAX arrays are immutable: the destination can share the source's value.
-        dst._storage.set(materialize(src))
+    if whole and src.dtype == dst.dtype and not src._chain and src._storage.array is not None:
+        # JAX arrays (and pending values) are immutable: the destination can share it.
+        dst._storage.set(src._storage.array)
         return dst
     info = schema.info(func)
     return _lowered_handler(info, TABLE[aten.copy.default])(

@@ -15,7 +15,7 @@ import torch
 from torch.utils._pytree import tree_map
 
 from torchtpu import config, counters
-from torchtpu.errors import user_stacklevel
+from torchtpu.errors import user_frame, user_stacklevel
 
 
 class TPUFallbackWarning(UserWarning):
@@ -37,6 +37,11 @@ def run_on_cpu(func, args, kwargs):
             "(torchtpu.config.cpu_fallback / TORCHTPU_CPU_FALLBACK)"
         )
     counters.count("fallback", str(func))
+    if counters._recorders:
+        counters.event("fallback", op=str(func), where=user_frame())
+    from torchtpu import defer
+
+    defer.flush("cpu fallback")
     if func not in _warned:
         _warned.add(func)
         warnings.warn(

@@ -7,6 +7,7 @@ own worker thread, and they must run in the mode the user chose.
 from __future__ import annotations
 
 import enum
+import sys
 
 from torchtpu import config
 
@@ -41,8 +42,11 @@ _ALIASES = {
     "deferandfuse": EagerMode.DEFER_AND_FUSE,
 }
 
-# Modes this build can run. DeferAndFuse arrives with the deferral queue.
-_IMPLEMENTED = {EagerMode.DEFER_NEVER, EagerMode.DEFER_NEVER_AND_LAUNCH_BLOCKING}
+_IMPLEMENTED = {
+    EagerMode.DEFER_NEVER,
+    EagerMode.DEFER_NEVER_AND_LAUNCH_BLOCKING,
+    EagerMode.DEFER_AND_FUSE,
+}
 
 
 def to_mode(mode: EagerMode | str) -> EagerMode:
@@ -75,7 +79,12 @@ def current() -> EagerMode:
 
 def set_current(mode: EagerMode | str) -> None:
     global _current
-    _current = to_mode(mode)
+    mode = to_mode(mode)
+    if _current is EagerMode.DEFER_AND_FUSE and mode is not _current and "jax" in sys.modules:
+        from torchtpu import defer
+
+        defer.flush("mode change")
+    _current = mode
 
 
 def is_debug() -> bool:

@@ -25,15 +25,18 @@ Note [Plan outputs]
 
 from __future__ import annotations
 
+import itertools
 import time
 from typing import NamedTuple
 
 import torch
 from torch._prims_common import elementwise_dtypes
 
-from torchtpu import checks, counters, dtypes, rng, storage
+from torchtpu import checks, config, counters, defer, dtypes, perf_warnings, rng, storage
 from torchtpu import matmul_precision as _precision
-from torchtpu.errors import add_context, name_op
+from torchtpu.defer import Pending
+from torchtpu.errors import add_context, name_op, user_frame
+from torchtpu.modes import EagerMode
 from torchtpu.ops.util import cast
 from torchtpu.runtime import jax
 from torchtpu.schema import Kind, SchemaInfo
@@ -117,8 +120,11 @@ class Signature:
                     )
                 slot = self.slot_of[id(s)] = len(self.storages)
                 self.storages.append(s)
-                if s.array is not None:
-                    self.arrays.append(s.array)
+                array = s.array
+                if array is not None:
+                    if type(array) is Pending and array.node_done():
+                        array = s.array = array.resolved()
+                    self.arrays.append(array)
             return ("t", slot, t._meta)
         if isinstance(t, torch.Tensor):
             if t.dim() == 0 and t.device.type == "cpu":
@@ -161,6 +167,9 @@ class Plan:
         "compiled",
         "reads_arrays",
         "fn",
+        "uid",
+        "traced",
+        "key",
     )
 
     def run(self, sig: Signature, device: int, debug: bool):
@@ -172,6 +181,7 @@ class Plan:
             start = time.perf_counter()
             flat = self._call(args, device)
             self.compiled = True
+            counters.count("compiles", "op")
             counters.count("compile_seconds", "op", time.perf_counter() - start)
         else:
             flat = self._call(args, device)
@@ -191,6 +201,30 @@ class Plan:
                 )
         return flat[:n_out], flat[n_out : n_out + n_written]
 
+    def record(self, sig: Signature, device: int):
+        """DeferAndFuse: queue the call; its results are Pending values (defer.py)."""
+        args = list(sig.arrays)
+        args.extend(sig.scalars)
+        if self.random:
+            args.extend(rng.take(device))
+        avals = [(o.shape, dtypes.to_jax(o.dtype)) for o in self.outputs]
+        avals += [
+            (sig.storages[s].shape, dtypes.to_jax(sig.storages[s].dtype))
+            for s in self.written_slots
+        ]
+        if not self.traced:
+            # Trace it now, abstractly (cached per plan): a lowering's error about this
+            # call then surfaces at the op, as in Strict, not at a later flush.
+            abstract = [
+                jax().ShapeDtypeStruct(a.shape, a.dtype) if hasattr(a, "shape") else a for a in args
+            ]
+            jax().eval_shape(self.fn, *abstract)
+        # The user's line costs a stack walk: only kept where an error may need it.
+        where = user_frame() if self.check_infos else None
+        pending = defer.record(self, args, avals, where)
+        n_out = len(self.outputs)
+        return pending[:n_out], pending[n_out:]
+
     def _call(self, args, device: int):
         if device != 0 and not self.reads_arrays:
             # Nothing to infer a device from (a factory, an uninitialised storage):
@@ -202,13 +236,19 @@ class Plan:
         return self.call(*args)
 
 
-_PLANS: dict = {}
+_PLANS = counters.LRUCache("op_cache", lambda: config.op_cache_size)
+_UIDS = itertools.count()
 
 
-def run(op, lowering, info: SchemaInfo, values: list, debug: bool):
-    """Run ``op`` (bound ``values``) with ``lowering``; return what torch's op returns."""
+def run(op, lowering, info: SchemaInfo, values: list, mode: EagerMode):
+    """Run ``op`` (bound ``values``) with ``lowering`` in ``mode``; return what torch's
+    op returns."""
     if lowering.dynamic_shape:
+        defer.flush("data-dependent shape")
         return _run_dynamic(op, lowering, info, values)
+    if mode is EagerMode.DEFER_AND_FUSE and not info.all_tensor_returns:
+        defer.flush("value read")  # the op returns a Python number: run it now
+        mode = EagerMode.DEFER_NEVER
     static = lowering.static
     sig = Signature(info, values, static)
     # The default dtype decides the dtype of factories and of float scalars' promotion.
@@ -219,20 +259,63 @@ def run(op, lowering, info: SchemaInfo, values: list, debug: bool):
         torch.get_default_dtype(),
         _precision.current() if lowering.precision else None,
     )
-    plan = _PLANS.get(key)
+    plan = _PLANS.lookup(key)
     if plan is None:
-        counters.count("op_cache", "miss")
-        plan = _PLANS[key] = _build(op, lowering, info, sig)
-    else:
-        counters.count("op_cache", "hit")
+        plan = _build(op, lowering, info, sig)
+        plan.key = key
+        _PLANS.insert(key, plan)
+        if mode is not EagerMode.DEFER_AND_FUSE:  # (in DeferAndFuse, chunks compile)
+            where = user_frame()
+            counters.event("compile", op=str(op), where=where)
+            perf_warnings.note_compile(
+                str(op), where, key, lambda old, new: describe_change(info, old, new)
+            )
     device = sig.device if sig.device is not None else _factory_device(info, values)
     try:
-        outputs, bases = plan.run(sig, device, debug)
+        if mode is EagerMode.DEFER_AND_FUSE:
+            outputs, bases = plan.record(sig, device)
+        else:
+            outputs, bases = plan.run(
+                sig, device, debug=mode is EagerMode.DEFER_NEVER_AND_LAUNCH_BLOCKING
+            )
     except Exception as exc:
         raise add_context(exc, op, values) from None
     for slot, base in zip(plan.written_slots, bases):
         sig.storages[slot].set(base)
     return _assemble(plan, values, outputs, device)
+
+
+def describe_change(info: SchemaInfo, old: tuple, new: tuple) -> str:
+    """What differs between two plan keys of one op, in the user's terms."""
+    (_, _, (old_args, _), old_dtype, old_precision) = old
+    (_, _, (new_args, _), new_dtype, new_precision) = new
+    for arg, a, b in zip(info.args, old_args, new_args):
+        if a != b:
+            before, after = _describe_spec(a), _describe_spec(b)
+            if before == after:
+                return f"argument `{arg.name}`: its strides or view changed ({after})"
+            return f"argument `{arg.name}`: {before} -> {after}"
+    if old_dtype != new_dtype:
+        return f"the default dtype: {old_dtype} -> {new_dtype}"
+    if old_precision != new_precision:
+        return f"the matmul precision: {old_precision} -> {new_precision}"
+    return "a signature seen before (it was dropped from the full op cache)"
+
+
+def _describe_spec(spec) -> str:
+    if spec is None:
+        return "None"
+    tag = spec[0]
+    if tag == "t":
+        shape, _, _, dtype, _ = spec[2]
+        return f"{str(dtype).replace('torch.', '')}{list(shape)}"
+    if tag == "l":
+        return "[" + ", ".join(_describe_spec(s) for s in spec[1]) + "]"
+    if tag in ("s", "sl"):
+        return f"a traced {spec[1]}"
+    if tag == "c":
+        return f"a 0-d CPU tensor of {spec[1]}"
+    return f"the constant {spec[1]!r}"
 
 
 def _run_dynamic(op, lowering, info: SchemaInfo, values: list):
@@ -268,6 +351,10 @@ _READERS: dict = {}
 def materialize(t: TPUTensor):
     """The JAX array holding ``t``'s current value (its view chain applied)."""
     s = t._storage
+    if type(s.array) is Pending:
+        if not s.array.node_done():
+            defer.flush("value read")
+        s.array = s.array.resolved()
     if not t._chain and s.array is not None:
         return s.array
     key = (t._meta, None if s.array is not None else (s.shape, s.dtype))
@@ -314,7 +401,7 @@ def _current_device() -> int:
 
 def wrap(array, meta: OutMeta, device: int) -> TPUTensor:
     """A new TPUTensor owning ``array`` (a fresh Storage)."""
-    if device != 0 or array is None:
+    if device != 0 and type(array) is not Pending:
         array = _on_device(array, device)
     s = Storage(array, meta.shape, meta.strides, meta.dtype, device)
     offset = 0
@@ -490,12 +577,16 @@ def _build(op, lowering, info: SchemaInfo, sig: Signature) -> Plan:
             targets.append(("drop",))
         else:
             returns.append(("tensor", new_output(_out_meta(m) if m is not None else _UNKNOWN)))
+    # A write target keeps what the compiled function needs of the tensor -- never the
+    # tensor itself, which the plan would keep alive.
     for i in info.mutable:
         value = sig.values[i]
-        if isinstance(value, (list, tuple)):
-            targets.extend(("write", i, j) for j in range(len(value)))
-        elif value is not None:
-            targets.append(("write", i, None))
+        for tensor in value if isinstance(value, (list, tuple)) else [value]:
+            if tensor is not None:
+                slot = sig.slot_of[id(tensor._storage)]
+                targets.append(
+                    ("write", slot, tensor._chain, dtypes.to_jax(tensor.dtype), tuple(tensor.shape))
+                )
 
     # Type promotion (Note [Type promotion policy] in ops/registry.py).
     names = [a.name for a in info.args]
@@ -525,7 +616,7 @@ def _build(op, lowering, info: SchemaInfo, sig: Signature) -> Plan:
         if first and first[0] == "new" and outputs[first[1]] not in (None, _UNKNOWN):
             result_dtype = dtypes.opmath(outputs[first[1]].dtype)
         elif first and first[0] == "write":
-            result_dtype = dtypes.opmath(sig.values[first[1]].dtype)
+            result_dtype = dtypes.opmath(dtypes.to_torch(first[3]))
 
     spec_args, slots = sig.spec
     n_arrays = sum(1 for s in slots if s is None)
@@ -540,18 +631,13 @@ def _build(op, lowering, info: SchemaInfo, sig: Signature) -> Plan:
     plan.check_infos = []
     written: list[int] = []
     for t in targets:
-        if t[0] == "write":
-            value = sig.values[t[1]]
-            tensor = value if t[2] is None else value[t[2]]
-            slot = sig.slot_of[id(tensor._storage)]
-            if slot not in written:
-                written.append(slot)
+        if t[0] == "write" and t[1] not in written:
+            written.append(t[1])
     plan.written_slots = written
     precision = _precision.lax_precision(_precision.current()) if lowering.precision else None
     check_overlap = op not in _WRITES_EXPANDED
 
     def fn(*flat):
-        counters.count("compiles", "op")
         arrays = iter(flat[:n_arrays])
         bases = [next(arrays) if s is None else jnp.zeros(s[0], dtypes.to_jax(s[1])) for s in slots]
         scalars = iter(flat[n_arrays : n_arrays + n_scalars])
@@ -608,15 +694,17 @@ def _build(op, lowering, info: SchemaInfo, sig: Signature) -> Plan:
                         v = jnp.broadcast_to(v, meta.shape)
                 new.append(v)
             else:
-                target = sig.values[t[1]] if t[2] is None else sig.values[t[1]][t[2]]
-                slot = sig.slot_of[id(target._storage)]
-                v = jnp.broadcast_to(cast(v, dtypes.to_jax(target.dtype)), tuple(target.shape))
-                bases[slot] = storage.write(bases[slot], target._chain, v, check_overlap)
+                _, slot, chain, dtype, shape = t
+                v = jnp.broadcast_to(cast(v, dtype), shape)
+                bases[slot] = storage.write(bases[slot], chain, v, check_overlap)
+        plan.traced = True
         return (*new, *(bases[s] for s in written), *(flag for flag, _, _ in collected))
 
     if any(o is _UNKNOWN for o in outputs):
         _fill_from_eval_shape(fn, plan, sig, outputs)
     plan.fn = fn
+    plan.uid = next(_UIDS)
+    plan.traced = False
     plan.reads_arrays = n_arrays > 0
     plan.call = jax().jit(fn)
     return plan
@@ -624,7 +712,10 @@ def _build(op, lowering, info: SchemaInfo, sig: Signature) -> Plan:
 
 def _fill_from_eval_shape(fn, plan, sig, outputs):
     """No meta kernel: take output shapes and dtypes from JAX (contiguous strides)."""
-    args = list(sig.arrays) + list(sig.scalars)
+    arrays = [
+        jax().ShapeDtypeStruct(a.shape, a.dtype) if type(a) is Pending else a for a in sig.arrays
+    ]
+    args = arrays + list(sig.scalars)
     if plan.random:
         args += [0, 0]
     shapes = jax().eval_shape(fn, *args)

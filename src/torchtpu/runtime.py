@@ -13,12 +13,19 @@ from torchtpu import config
 
 @functools.cache
 def jax():
-    """Import and configure JAX (x64 on, CPU async dispatch per config); return the module."""
+    """Import and configure JAX (x64 on, CPU async dispatch and the persistent
+    compilation cache per config); return the module."""
     import jax as _jax
 
     # int64/float64 must be real: without x64 JAX silently narrows them (DESIGN.md §8).
     _jax.config.update("jax_enable_x64", True)
     _jax.config.update("jax_cpu_enable_async_dispatch", config.cpu_async_dispatch)
+    if config.compile_cache_dir:
+        _jax.config.update("jax_compilation_cache_dir", config.compile_cache_dir)
+        _jax.config.update(
+            "jax_persistent_cache_min_compile_time_secs", config.compile_cache_min_seconds
+        )
+        _jax.config.update("jax_compilation_cache_max_size", config.compile_cache_max_bytes)
     return _jax
 
 

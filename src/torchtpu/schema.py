@@ -40,6 +40,7 @@ class SchemaInfo(NamedTuple):
     returns: tuple[Return, ...]
     mutable: tuple[int, ...]  # indices of mutable args
     is_view: bool  # returns alias an input without writing it
+    all_tensor_returns: bool  # no Python numbers among the returns
 
     def bind(self, args: tuple, kwargs: dict) -> list:
         """The op's arguments in schema order, defaults filled in."""
@@ -126,6 +127,7 @@ def info(op: torch._ops.OpOverload) -> SchemaInfo:
         returns=tuple(returns),
         mutable=mutable,
         is_view=aliases_input and not any_write,
+        all_tensor_returns=all(r.is_tensor for r in returns),
     )
 
 

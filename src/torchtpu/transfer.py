@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from torchtpu import checks, counters
+from torchtpu import checks, counters, perf_warnings
 from torchtpu.runtime import device, jax
 
 
@@ -34,6 +34,7 @@ def to_device(cpu_tensor: torch.Tensor, index: int):
 def to_host(array) -> torch.Tensor:
     """A CPU tensor holding a copy of ``array``'s values (waits for them)."""
     checks.raise_pending()
+    perf_warnings.note_read()
     jx = jax()
     (dev,) = array.devices()
     if dev.platform != "cpu":

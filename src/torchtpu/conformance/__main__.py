@@ -27,7 +27,7 @@ _SHORT = {
 _MARK = {"pass": "✓", "fail": "✗", "mismatch": "≠", "skip": "–"}
 
 
-def _run_all(selected, progress) -> list[harness.Result]:
+def _run_all(selected, max_samples, progress) -> list[harness.Result]:
     results = []
     for i, case in enumerate(selected):
         expected = expectations.lookup(
@@ -41,7 +41,7 @@ def _run_all(selected, progress) -> list[harness.Result]:
             if expected is not None and expected.kind == "tolerance"
             else (None, None)
         )
-        result = harness.run(case, tolerance)
+        result = harness.run(case, tolerance, max_samples)
         if expected is not None and expected.kind == "xfail" and result.outcome == "fail":
             result.detail = f"{expected.reason} ({result.detail})"
         results.append(result)
@@ -203,21 +203,16 @@ def _base_name(name: str) -> str:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description="OpInfo conformance report for torchtpu")
     parser.add_argument("--out", default="docs/conformance.md")
-    parser.add_argument("--scope", choices=["full", "ci"], default="full")
+    parser.add_argument("--scope", choices=sorted(harness.SCOPES), default="full")
     parser.add_argument("--ops", nargs="*", help="only these OpInfo names")
     args = parser.parse_args(argv)
-    if args.scope == "ci":
-        selected = list(
-            harness.cases(dtypes=(torch.float32,), checks=("forward",), modes=("strict",))
-        )
-    else:
-        selected = list(harness.cases())
+    selected, max_samples = harness.scope(args.scope)
     if args.ops:
         selected = [
             c for c in selected if c.op_name in args.ops or harness.find(c.op_name).name in args.ops
         ]
     start = time.perf_counter()
-    results = _run_all(selected, progress=True)
+    results = _run_all(selected, max_samples, progress=True)
     command = "python -m torchtpu.conformance " + " ".join(
         argv if argv is not None else sys.argv[1:]
     )

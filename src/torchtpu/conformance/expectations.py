@@ -33,21 +33,34 @@ def tolerance(rtol: float, atol: float, reason: str) -> Expectation:
     return Expectation("tolerance", reason, rtol, atol)
 
 
+_ACCUMULATION = (
+    "float32 sums of many products: XLA accumulates in another order than the CPU "
+    "kernel (torch gives CUDA a looser tolerance for the same reason)"
+)
+_SPARSE = "sparse layouts are not supported on tpu: the op raises, naming the layout"
+
 # (op, variant, dtype, check, mode) -> Expectation
-EXPECTATIONS: dict[tuple[str, str, str, str, str], Expectation] = {}
+EXPECTATIONS: dict[tuple[str, str, str, str, str], Expectation] = {
+    ("addbmm", "*", "float32", "*", "*"): tolerance(1.3e-5, 5e-5, _ACCUMULATION),
+    ("nn.functional.conv_transpose3d", "*", "float32", "*", "*"): tolerance(
+        1.3e-5, 5e-5, _ACCUMULATION
+    ),
+    ("chalf", "*", "*", "*", "*"): xfail(
+        "complex32 has no JAX dtype: a tpu result of that dtype raises TypeError"
+    ),
+    ("sparse.mm.reduce", "*", "*", "*", "*"): xfail(_SPARSE),
+    ("sparse.sampled_addmm", "*", "*", "*", "*"): xfail(_SPARSE),
+    ("to_sparse", "*", "*", "*", "*"): xfail(_SPARSE),
+}
 
 
 def lookup(op: str, variant: str, dtype: torch.dtype, check: str, mode: str) -> Expectation | None:
-    """The most specific entry matching a case, or None."""
-    dtype_name = str(dtype).replace("torch.", "")
-    for key in (
-        (op, variant, dtype_name, check, mode),
-        (op, variant, dtype_name, check, "*"),
-        (op, variant, "*", check, "*"),
-        (op, "*", dtype_name, check, "*"),
-        (op, "*", "*", check, "*"),
-        (op, "*", "*", "*", "*"),
-    ):
-        if key in EXPECTATIONS:
-            return EXPECTATIONS[key]
-    return None
+    """The most specific entry matching a case (fewest ``"*"``), or None."""
+    case = (op, variant, str(dtype).replace("torch.", ""), check, mode)
+    best, best_score = None, -1
+    for key, expectation in EXPECTATIONS.items():
+        if all(k == "*" or k == c for k, c in zip(key, case)):
+            score = sum(k != "*" for k in key)
+            if score > best_score:
+                best, best_score = expectation, score
+    return best

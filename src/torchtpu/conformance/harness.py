@@ -44,12 +44,24 @@ RANDOM_OPS = frozenset(
         "bernoulli", "normal", "log_normal", "randn", "randn_like", "rand_like", "randint",
         "randint_like", "multinomial", "nn.functional.dropout", "nn.functional.dropout2d",
         "nn.functional.dropout3d", "nn.functional.alpha_dropout",
-        "nn.functional.feature_alpha_dropout", "uniform", "exponential", "geometric",
+        "nn.functional.feature_alpha_dropout", "nn.functional.fractional_max_pool2d",
+        "nn.functional.fractional_max_pool3d", "uniform", "exponential", "geometric",
         "cauchy", "empty", "empty_like", "new_empty", "new_empty_strided", "empty_strided",
         "empty_permuted", "torch.ops.aten._flash_attention_forward",
         "torch.ops.aten._efficient_attention_forward",
     }
 )  # fmt: skip
+
+
+# Positional arguments torch requires on the CPU whatever the device (as the samples
+# make them): they are not moved to tpu.
+HOST_ARGS = {"tensor_split": 0}
+
+
+def _is_random(op, sample) -> bool:
+    if op.name in RANDOM_OPS or op_name(op) in RANDOM_OPS:
+        return True
+    return bool(sample.kwargs.get("dropout_p", 0))  # scaled_dot_product_attention
 
 
 @functools.cache
@@ -93,6 +105,28 @@ class Result:
     fallbacks: tuple[str, ...] = ()
 
 
+#: The named selections of cases: scope -> (cases() arguments, samples per case).
+#: "ci" is what the default test run checks within CI's time budget: the first samples
+#: of every op's float32 forward in Strict. "forward" is every float32 forward sample of
+#: every variant in Strict (the coverage figure); "full" is everything.
+SCOPES = {
+    "ci": (
+        dict(dtypes=(torch.float32,), variants=("op",), checks=("forward",), modes=("strict",)),
+        3,
+    ),
+    "forward": (dict(dtypes=(torch.float32,), checks=("forward",), modes=("strict",)), None),
+    "full": ({}, None),
+}
+
+
+def scope(name: str) -> tuple[list[Case], int | None]:
+    """The cases of a named scope and its cap on samples per case (None: all)."""
+    if name not in SCOPES:
+        raise ValueError(f"unknown conformance scope {name!r}; expected one of {sorted(SCOPES)}")
+    selection, max_samples = SCOPES[name]
+    return list(cases(**selection)), max_samples
+
+
 def cases(dtypes=REQUIRED_DTYPES + EXTRA_DTYPES, variants=VARIANTS, checks=CHECKS, modes=MODES):
     """Every applicable case, in op_db order."""
     for op in op_db():
@@ -127,17 +161,26 @@ def _variant_fn(op, variant):
 # -- moving samples -------------------------------------------------------------------------
 
 
-def _to_tpu(sample):
+def _to_tpu(sample, host_arg: int | None = None):
     """The sample with every tensor copied to tpu (leaves that require grad stay leaves
-    that require grad)."""
+    that require grad), except positional argument ``host_arg``."""
     from torch.testing._internal.opinfo.core import SampleInput
 
     def move(t):
-        if isinstance(t, torch.Tensor):
-            return t.detach().to("tpu").requires_grad_(t.requires_grad)
-        return t
+        if not isinstance(t, torch.Tensor):
+            return t
+        if t._base is not None and t._base.layout == torch.strided:
+            # A view moves as a view of its moved base: ops like as_strided may read
+            # storage outside the view.
+            base = t._base.detach().to("tpu")
+            moved = base.as_strided(t.size(), t.stride(), t.storage_offset())
+        else:
+            moved = t.detach().to("tpu")
+        return moved.requires_grad_(t.requires_grad)
 
     input, args, kwargs = tree_map(move, (sample.input, sample.args, sample.kwargs))
+    if host_arg is not None and len(sample.args) > host_arg:
+        args = tuple(sample.args[host_arg] if i == host_arg else a for i, a in enumerate(args))
     return SampleInput(
         input, args=args, kwargs=kwargs, output_process_fn_grad=sample.output_process_fn_grad
     )
@@ -222,7 +265,7 @@ def _run_forward(op, fn, sample_cpu, sample_tpu, random, tolerance):
     _compare(actual, _read(expected), random, *tolerance)
 
 
-def _run_grad(fn, sample_cpu, sample_tpu, tolerance):
+def _run_grad(fn, sample_cpu, sample_tpu, tolerance, random):
     outputs = []
     for sample in (sample_cpu, sample_tpu):
         out = sample.output_process_fn_grad(_call(fn, sample))
@@ -235,7 +278,7 @@ def _run_grad(fn, sample_cpu, sample_tpu, tolerance):
         total = sum(t.sum() if not t.is_complex() else t.abs().sum() for t in leaves)
         grads = torch.autograd.grad(total, inputs, allow_unused=True)
         outputs.append([None if g is None else g.detach().cpu() for g in grads])
-    _compare(outputs[1], outputs[0], False, *tolerance)
+    _compare(outputs[1], outputs[0], random, *tolerance)
 
 
 def _run_error(fn, error_input):
@@ -258,11 +301,11 @@ def _run_error(fn, error_input):
     raise Mismatch(f"error input: returned a value; CPU raises {expected.__name__}")
 
 
-def run(case: Case, tolerance=(None, None)) -> Result:
-    """Run one case and classify it (the expectations table is not consulted here)."""
+def run(case: Case, tolerance=(None, None), max_samples: int | None = None) -> Result:
+    """Run one case (its first ``max_samples`` samples, or all) and classify it; the
+    expectations table is not consulted here."""
     op = find(case.op_name)
     fn = _variant_fn(op, case.variant)
-    random = op.name in RANDOM_OPS or op_name(op) in RANDOM_OPS
     torchtpu.reset_metrics()
     checks._pending.clear()
     samples = 0
@@ -272,6 +315,8 @@ def run(case: Case, tolerance=(None, None)) -> Result:
         try:
             if case.check == "errors":
                 for error_input in op.error_inputs("cpu"):
+                    if samples == max_samples:
+                        break
                     samples += 1
                     _run_error(fn, error_input)
             else:
@@ -279,12 +324,14 @@ def run(case: Case, tolerance=(None, None)) -> Result:
                 for sample in op.sample_inputs("cpu", case.dtype, requires_grad=grad):
                     if case.variant == "inplace" and sample.broadcasts_input:
                         continue  # the CPU rejects these too; OpInfo's own tests skip them
+                    if samples == max_samples:
+                        break
                     samples += 1
-                    sample_tpu = _to_tpu(sample)
+                    sample_tpu = _to_tpu(sample, HOST_ARGS.get(op.name))
                     if grad:
-                        _run_grad(fn, sample, sample_tpu, tolerance)
+                        _run_grad(fn, sample, sample_tpu, tolerance, _is_random(op, sample))
                     else:
-                        _run_forward(op, fn, sample, sample_tpu, random, tolerance)
+                        _run_forward(op, fn, sample, sample_tpu, _is_random(op, sample), tolerance)
         except Mismatch as exc:
             result = Result(case, "mismatch", f"sample {samples}: {exc}")
         except Exception as exc:  # tpu raised where the CPU did not: loud, so a "fail"

@@ -6,6 +6,8 @@ lowering here runs, its ``promote`` arguments already have torch's computation d
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -311,7 +313,44 @@ def logit(self, eps=None):
 def polygamma(n, self):
     if n == 0:
         return jsp.digamma(self)
-    return jsp.polygamma(n, self)
+    if n == 1:
+        return _trigamma(self)
+    # psi^(n)(x) = (-1)^(n+1) n! zeta(n+1, x), as torch computes it for every x.
+    sign = 1.0 if n % 2 else -1.0
+    return sign * math.factorial(n) * _hurwitz_zeta(float(n + 1), self)
+
+
+def _hurwitz_zeta(s, q):
+    """zeta(s, q) for an integer s > 1 and any q: JAX's zeta is only right for q > 0, so
+    negative q is first shifted up by the recurrence zeta(s, q) = zeta(s, q + 1) + q^-s."""
+    shift = jnp.where(q < 0, jnp.ceil(-q), 0)
+
+    def more(state):
+        return state[0] < jnp.max(shift)
+
+    def add_term(state):
+        j, total = state
+        return j + 1, total + jnp.where(j < shift, (q + j) ** -s, 0)
+
+    _, head = lax.while_loop(more, add_term, (jnp.zeros((), q.dtype), jnp.zeros_like(q)))
+    tail = jsp.zeta(s, q + shift)
+    return jnp.where(q == jnp.floor(q), jnp.where(q <= 0, jnp.inf, tail), head + tail)
+
+
+def _trigamma(x):
+    """psi'(x), accurate for negative x too (JAX's polygamma(1, x) is not): the
+    reflection psi'(x) + psi'(1 - x) = pi^2 / sin^2(pi x) below 1/2, then the
+    recurrence psi'(x) = psi'(x + 1) + 1/x^2 up to x >= 6, then the asymptotic series."""
+    reflect = x < 0.5
+    sin_pi_x = jnp.sin(jnp.pi * x)
+    y = jnp.where(reflect, 1 - x, x)
+    total = jnp.zeros_like(y)
+    for _ in range(6):
+        total = total + 1 / (y * y)
+        y = y + 1
+    inv2 = 1 / (y * y)
+    total = total + (1 + 1 / (2 * y) + inv2 * (1 / 6 - inv2 * (1 / 30 - inv2 / 42))) / y
+    return jnp.where(reflect, jnp.pi**2 / (sin_pi_x * sin_pi_x) - total, total)
 
 
 @lowers(aten.mvlgamma.default, promote="int_to_float")
@@ -399,7 +438,7 @@ def conj_physical(self):
 
 @lowers(aten.complex.default)
 def complex_(real, imag):
-    return lax.complex(real, imag)
+    return lax.complex(*jnp.broadcast_arrays(real, imag))
 
 
 @lowers(aten.polar.default)

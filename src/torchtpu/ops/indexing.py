@@ -75,7 +75,7 @@ def _index_put_impl_(self, indices, values, accumulate=False, unsafe=False):
 def index_select(self, dim, index):
     if self.ndim == 0:
         _check_bounds(index, 1, 0, message="index out of range in self", negative=False)
-        return jnp.broadcast_to(self, index.shape).reshape(index.shape or ())
+        return self  # torch gives a 0-d result for a 0-d self, whatever the index's shape
     dim = canonical_dim(dim, self.ndim)
     _check_bounds(index, self.shape[dim], dim, message="index out of range in self", negative=False)
     return jnp.take(self, index.reshape(-1), axis=dim)

@@ -35,10 +35,19 @@ def constant_pad_nd(self, pad, value=0):
 
 
 def _pad_mode(self, padding, mode):
-    config = [(0, 0)] * self.ndim
+    # Output position i of a dim reads input position i - before, clamped ("edge") or
+    # reflected ("reflect") into range -- which also covers negative paddings.
     for i in range(len(padding) // 2):
-        config[self.ndim - 1 - i] = (padding[2 * i], padding[2 * i + 1])
-    return jnp.pad(self, config, mode=mode)
+        dim = self.ndim - 1 - i
+        before, after = padding[2 * i], padding[2 * i + 1]
+        n = self.shape[dim]
+        source = jnp.arange(n + before + after) - before
+        if mode == "edge":
+            source = jnp.clip(source, 0, n - 1)
+        else:
+            source = (n - 1) - jnp.abs((n - 1) - jnp.abs(source))
+        self = jnp.take(self, source, axis=dim)
+    return self
 
 
 @lowers(aten.reflection_pad1d.default, aten.reflection_pad2d.default, aten.reflection_pad3d.default)

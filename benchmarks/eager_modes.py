@@ -1,0 +1,314 @@
+"""The eager modes side by side: torch CPU eager, Strict, Debug, DeferAndFuse, and the
+same computation written in JAX under one ``jax.jit`` (the floor).
+
+    python benchmarks/eager_modes.py            # medians of several runs
+    python benchmarks/eager_modes.py --quick    # fewer, shorter runs
+
+Workloads: one small elementwise op (64x64 add: dispatch dominates), an 11-op
+elementwise chain at 64x64 and 1024x1024, the MLP training step (512->1024->10, SGD)
+at batch 8, 64 and 1024, and a small transformer training step (one pre-norm block,
+d=64, 4 heads, sequence 32, batch 8, SGD). Then the first step of the MLP in a fresh
+process, cold and warm (JAX's persistent compilation cache). torch's CPU baseline is
+pinned to one thread (its 2-thread mode is erratic on a shared 2-core machine).
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import torchtpu
+
+torch.set_num_threads(1)
+
+
+REPEAT, MIN_TIME = (3, 0.1) if "--quick" in sys.argv else (7, 0.3)
+
+
+def timeit(fn, *, repeat=None, min_time=None):
+    """Median seconds per call over ``repeat`` runs of at least ``min_time`` each."""
+    repeat, min_time = repeat or REPEAT, min_time or MIN_TIME
+    fn()
+    fn()
+    samples = []
+    for _ in range(repeat):
+        n, start = 0, time.perf_counter()
+        while True:
+            fn()
+            n += 1
+            elapsed = time.perf_counter() - start
+            if elapsed >= min_time:
+                break
+        samples.append(elapsed / n)
+    return statistics.median(samples)
+
+
+def chain(x):
+    # 11 elementwise ops, no sin/cos (XLA:CPU's are slow and would hide dispatch).
+    y = x * 2 + 1
+    y = torch.relu(y) - x
+    y = y * y / (x.abs() + 1)
+    y = torch.tanh(y) + torch.sigmoid(x)
+    return y.exp().clamp(max=10) * 0.5
+
+
+def jax_chain(x):
+    y = x * 2 + 1
+    y = jnp.maximum(y, 0) - x
+    y = y * y / (jnp.abs(x) + 1)
+    y = jnp.tanh(y) + jax.nn.sigmoid(x)
+    return jnp.minimum(jnp.exp(y), 10) * 0.5
+
+
+def mlp_step_fn(device, batch):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(512, 1024), nn.ReLU(), nn.Linear(1024, 10)).to(device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(batch, 512, device=device)
+    y = torch.randint(0, 10, (batch,), device=device)
+
+    def step():
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        return loss.item()
+
+    return step
+
+
+def jax_mlp_step_fn(batch):
+    key = jax.random.key(0)
+    k1, k2, k3 = jax.random.split(key, 3)
+    params = {
+        "w1": jax.random.normal(k1, (512, 1024)) * 0.04,
+        "b1": jnp.zeros(1024),
+        "w2": jax.random.normal(k2, (1024, 10)) * 0.03,
+        "b2": jnp.zeros(10),
+    }
+    params = jax.tree.map(lambda a: a.astype(jnp.float32), params)
+    x = jax.random.normal(k3, (batch, 512), jnp.float32)
+    y = jnp.arange(batch) % 10
+
+    def loss_fn(p):
+        h = jnp.maximum(x @ p["w1"] + p["b1"], 0)
+        logits = h @ p["w2"] + p["b2"]
+        return -jnp.mean(jax.nn.log_softmax(logits)[jnp.arange(batch), y])
+
+    @jax.jit
+    def update(p):
+        loss, grads = jax.value_and_grad(loss_fn)(p)
+        return loss, jax.tree.map(lambda a, g: a - 0.1 * g, p, grads)
+
+    state = {"p": params}
+
+    def step():
+        loss, state["p"] = update(state["p"])
+        return float(loss)
+
+    return step
+
+
+class Block(nn.Module):
+    """A pre-norm transformer block with a causal attention and a GELU MLP."""
+
+    def __init__(self, d=64, heads=4):
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.fc1, self.fc2 = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(d, dim=-1)
+        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
+        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+
+
+class TinyLM(nn.Module):
+    def __init__(self, vocab=256, d=64):
+        super().__init__()
+        self.embed, self.block, self.head = nn.Embedding(vocab, d), Block(d), nn.Linear(d, vocab)
+
+    def forward(self, tokens):
+        return self.head(self.block(self.embed(tokens)))
+
+
+def transformer_step_fn(device, batch=8, seq=32, vocab=256):
+    torch.manual_seed(0)
+    model = TinyLM(vocab).to(device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    tokens = torch.randint(0, vocab, (batch, seq + 1), device=device)
+
+    def step():
+        opt.zero_grad()
+        logits = model(tokens[:, :-1])
+        loss = F.cross_entropy(logits.reshape(-1, vocab), tokens[:, 1:].reshape(-1))
+        loss.backward()
+        opt.step()
+        return loss.item()
+
+    return step
+
+
+def jax_transformer_step_fn(batch=8, seq=32, vocab=256, d=64, heads=4):
+    torch.manual_seed(0)
+    params = {k: jnp.asarray(v.detach().numpy()) for k, v in TinyLM(vocab, d).state_dict().items()}
+    tokens = jax.random.randint(jax.random.key(0), (batch, seq + 1), 0, vocab)
+
+    def layer_norm(x, w, b):
+        mean = x.mean(-1, keepdims=True)
+        var = ((x - mean) ** 2).mean(-1, keepdims=True)
+        return (x - mean) * jax.lax.rsqrt(var + 1e-5) * w + b
+
+    def linear(x, p, name):
+        return x @ p[f"{name}.weight"].T + p[f"{name}.bias"]
+
+    def loss_fn(p):
+        x = p["embed.weight"][tokens[:, :-1]]
+        h = layer_norm(x, p["block.ln1.weight"], p["block.ln1.bias"])
+        q, k, v = jnp.split(linear(h, p, "block.qkv"), 3, axis=-1)
+        q, k, v = (
+            z.reshape(batch, seq, heads, d // heads).transpose(0, 2, 1, 3) for z in (q, k, v)
+        )
+        s = q @ k.transpose(0, 1, 3, 2) / jnp.sqrt(d // heads)
+        s = jnp.where(jnp.tril(jnp.ones((seq, seq), bool)), s, -jnp.inf)
+        a = (jax.nn.softmax(s, -1) @ v).transpose(0, 2, 1, 3).reshape(batch, seq, d)
+        x = x + linear(a, p, "block.proj")
+        h = layer_norm(x, p["block.ln2.weight"], p["block.ln2.bias"])
+        x = x + linear(jax.nn.gelu(linear(h, p, "block.fc1"), approximate=False), p, "block.fc2")
+        logits = linear(x, p, "head").reshape(-1, vocab)
+        labels = tokens[:, 1:].reshape(-1)
+        return -jnp.mean(jax.nn.log_softmax(logits)[jnp.arange(labels.size), labels])
+
+    @jax.jit
+    def update(p):
+        loss, grads = jax.value_and_grad(loss_fn)(p)
+        return loss, jax.tree.map(lambda a, g: a - 0.1 * g, p, grads)
+
+    state = {"p": params}
+
+    def step():
+        loss, state["p"] = update(state["p"])
+        return float(loss)
+
+    return step
+
+
+MODES = (("Strict", "strict"), ("Debug", "debug"), ("Defer", "defer"))
+
+
+def side_by_side():
+    small_cpu, small_tpu = torch.randn(64, 64), torch.randn(64, 64, device="tpu")
+    jadd = jax.jit(lambda a, b: a + b)
+    ja = jnp.ones((64, 64), jnp.float32)
+
+    def tpu_sync(fn):
+        def run():
+            out = fn()
+            jax.block_until_ready(torchtpu.plans.materialize(out))
+
+        return run
+
+    cases = {
+        "add 64x64": (
+            lambda: small_cpu + small_cpu,
+            tpu_sync(lambda: small_tpu + small_tpu),
+            lambda: jadd(ja, ja).block_until_ready(),
+        ),
+    }
+    for n in (64, 1024):
+        xc, xt = torch.randn(n, n), torch.randn(n, n, device="tpu")
+        jx = jnp.asarray(xc.numpy())
+        jchain = jax.jit(jax_chain)
+        cases[f"11-op chain {n}x{n}"] = (
+            lambda xc=xc: chain(xc),
+            tpu_sync(lambda xt=xt: chain(xt)),
+            lambda jx=jx, jchain=jchain: jchain(jx).block_until_ready(),
+        )
+    for batch in (8, 64, 1024):
+        cases[f"MLP SGD step, batch {batch}"] = (
+            mlp_step_fn("cpu", batch),
+            mlp_step_fn("tpu", batch),
+            jax_mlp_step_fn(batch),
+        )
+    cases["transformer step"] = (
+        transformer_step_fn("cpu"),
+        transformer_step_fn("tpu"),
+        jax_transformer_step_fn(),
+    )
+
+    header = f"| {'workload':<24} | torch CPU | " + " | ".join(f"{m:>9}" for m, _ in MODES)
+    print(header + " |   jax.jit | Strict/Defer | Defer/jit |")
+    print("|" + "---|" * (len(MODES) + 5))
+    for name, (cpu_fn, tpu_fn, jax_fn) in cases.items():
+        cpu = timeit(cpu_fn)
+        times = {}
+        for label, mode in MODES:
+            with torch.tpu.set_eager_mode(mode):
+                times[label] = timeit(tpu_fn)
+        floor = timeit(jax_fn)
+        cells = " | ".join(_us(times[m]) for m, _ in MODES)
+        print(
+            f"| {name:<24} | {_us(cpu)} | {cells} | {_us(floor)} | "
+            f"{times['Strict'] / times['Defer']:>11.2f}x | {times['Defer'] / floor:>8.2f}x |",
+            flush=True,
+        )
+
+
+def _us(seconds: float) -> str:
+    return f"{seconds * 1e6:>7.0f}us" if seconds < 0.01 else f"{seconds * 1e3:>7.1f}ms"
+
+
+_FIRST_STEP = """
+import time, torch, torchtpu
+from benchmarks.eager_modes import mlp_step_fn
+torch.tpu.set_eager_mode("{mode}")
+step = mlp_step_fn("tpu", 64)
+start = time.perf_counter(); step(); print(time.perf_counter() - start)
+"""
+
+
+def first_step():
+    """The first MLP step in a fresh process: compiling everything (cold), then with the
+    programs in JAX's persistent compilation cache (warm)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    print("\n| first MLP step (batch 64), new process | cold | warm |")
+    print("|---|---|---|")
+    for label, mode in MODES:
+        with tempfile.TemporaryDirectory() as cache:
+            env = dict(os.environ, TORCHTPU_COMPILE_CACHE_DIR=cache, PYTHONPATH=root)
+            seconds = []
+            for _ in range(2):
+                out = subprocess.run(
+                    [sys.executable, "-c", _FIRST_STEP.format(mode=mode)],
+                    env=env,
+                    capture_output=True,
+                    text=True,
+                    check=True,
+                )
+                seconds.append(float(out.stdout.split()[-1]))
+        print(f"| {label} | {seconds[0]:.2f} s | {seconds[1]:.2f} s |", flush=True)
+
+
+def main():
+    print(f"torch {torch.__version__}, jax {jax.__version__}, backend {jax.default_backend()}\n")
+    side_by_side()
+    first_step()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,253 @@
+"""DeferAndFuse: ops are recorded, not run; each run of them becomes ONE jitted chunk.
+
+Recording an op costs what Strict costs minus running it: the op's `Plan` (meta
+oracle, cached per signature) gives its outputs' shapes and dtypes at once, and the
+outputs are `Pending` values in their Storages. Reading a value (``.item()``,
+``.cpu()``, ``print``), a CPU fallback, an op whose output shape depends on values, a
+mode change, ``torch.tpu.synchronize()`` or a full queue *flushes*: the recorded
+ops run as one function of their external inputs (arrays and traced scalars), jitted
+once per chunk signature, so a training loop compiles its step once and then runs
+one call per step.
+
+Note [Live outputs]
+    A node holds only weak references to its Pending outputs; Storages hold the
+    strong ones. At a flush, a Pending still alive is referenced by some tensor the
+    program can reach, so it becomes an output of the chunk; the others are
+    intermediates XLA never materialises.
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+
+from torchtpu import checks, config, counters, perf_warnings
+from torchtpu.errors import user_frame
+from torchtpu.runtime import jax
+
+
+class Pending:
+    """A value the queue will produce: output ``index`` of node ``node``."""
+
+    __slots__ = ("node", "index", "shape", "dtype", "value", "error", "__weakref__")
+
+    def __init__(self, node: int, index: int, shape, dtype):
+        self.node, self.index, self.shape, self.dtype = node, index, shape, dtype
+        self.value = None
+        self.error = None
+
+    def node_done(self) -> bool:
+        """Whether its chunk ran (successfully or not)."""
+        return self.value is not None or self.error is not None
+
+    def resolved(self):
+        """The concrete array (after its flush), raising its chunk's error if it failed."""
+        if self.error is not None:
+            raise RuntimeError(
+                f"this tensor's value was never computed: {self.error}"
+            ) from self.error
+        return self.value
+
+
+class _Node:
+    __slots__ = ("plan", "refs", "outputs", "where")
+
+    def __init__(self, plan, refs, outputs, where):
+        self.plan, self.refs, self.outputs, self.where = plan, refs, outputs, where
+
+
+class _Queue:
+    def __init__(self):
+        self.nodes: list[_Node] = []
+        self.externals: list = []  # arrays and scalars, the chunk's inputs
+        self.external_slot: dict[int, int] = {}  # id(array) -> position in externals
+        self.keepalive: list = []  # arrays whose id() is a key above
+
+
+_queue = _Queue()
+
+
+def pending_count() -> int:
+    return len(_queue.nodes)
+
+
+def record(plan, args: list, out_avals: list, where: str | None) -> list[Pending]:
+    """Queue one op: ``args`` are the plan's arguments (arrays, Pendings, scalars);
+    returns a Pending per output of the plan's function (new tensors, then written
+    bases). ``where`` names the user's line, when an error may need it."""
+    q = _queue
+    position = len(q.nodes)
+    refs = []
+    for a in args:
+        if type(a) is Pending:
+            if a.value is not None or a.error is not None:
+                a = a.resolved()
+            elif a.node >= position or q.nodes[a.node].outputs[a.index]() is not a:
+                raise RuntimeError("torchtpu internal error: a pending value from another queue")
+            else:
+                refs.append((1, a.node, a.index))
+                continue
+        if hasattr(a, "shape"):  # a concrete array: one chunk input however often used
+            slot = q.external_slot.get(id(a))
+            if slot is None:
+                slot = q.external_slot[id(a)] = len(q.externals)
+                q.externals.append(a)
+                q.keepalive.append(a)
+            refs.append((0, slot, 0))
+        else:  # a traced Python scalar
+            refs.append((0, len(q.externals), 0))
+            q.externals.append(a)
+    outputs = [Pending(position, i, shape, dtype) for i, (shape, dtype) in enumerate(out_avals)]
+    q.nodes.append(_Node(plan, tuple(refs), [weakref.ref(p) for p in outputs], where))
+    if len(q.nodes) >= config.defer_max_ops:
+        flush("queue full")
+    return outputs
+
+
+# -- flushing ---------------------------------------------------------------------------------
+
+
+class _Chunk:
+    """A compiled chunk: the jitted function and what its outputs mean."""
+
+    __slots__ = ("call", "flag_owners", "compiled")
+
+    def __init__(self, nodes_spec, live):
+        self.flag_owners: list[tuple[int, int]] = []  # (node position, check index) per flag
+        self.compiled = False
+
+        def chunk(*externals):
+            counters.count("compiles", "chunk")
+            results = []
+            flags = []
+            owners = []
+            for position, (plan, refs) in enumerate(nodes_spec):
+                args = [externals[a] if kind == 0 else results[a][b] for kind, a, b in refs]
+                try:
+                    out = plan.fn(*args)
+                except Exception as exc:
+                    raise _NodeError(position, exc) from exc
+                results.append(out)
+                n = len(plan.outputs) + len(plan.written_slots)
+                for k, flag in enumerate(out[n:]):
+                    flags.append(flag)
+                    owners.append((position, k))
+            self.flag_owners = owners
+            return tuple(results[n][i] for n, i in live), tuple(flags)
+
+        self.call = jax().jit(chunk)
+
+
+class _NodeError(Exception):
+    def __init__(self, position: int, cause: Exception):
+        super().__init__(str(cause))
+        self.position, self.cause = position, cause
+
+
+_CHUNKS = counters.LRUCache("chunk_cache", lambda: config.chunk_cache_size)
+
+
+def flush(reason: str) -> None:
+    """Run every queued op as one chunk and hand out the values still referenced."""
+    global _queue
+    q = _queue
+    if not q.nodes:
+        return
+    _queue = _Queue()  # reentrancy: anything recorded from here on is a new chunk
+    counters.count("flushes", reason)
+    perf_warnings.note_read()
+    where = user_frame()
+    if reason == "value read":
+        perf_warnings.note_flush(reason, where)
+    live, live_pendings = [], []
+    for position, node in enumerate(q.nodes):
+        for index, ref in enumerate(node.outputs):
+            pending = ref()
+            if pending is not None:
+                live.append((position, index))
+                live_pendings.append(pending)
+    counters.count("chunk_values", "outputs", len(live))
+    dropped = sum(len(node.outputs) for node in q.nodes) - len(live)
+    if dropped:
+        counters.count("chunk_values", "dropped", dropped)
+    if not live_pendings:
+        return
+    key = (tuple((node.plan.uid, node.refs) for node in q.nodes), tuple(live))
+    chunk = _CHUNKS.lookup(key)
+    compiled = chunk is None
+    if compiled:
+        chunk = _Chunk([(node.plan, node.refs) for node in q.nodes], live)
+        _CHUNKS.insert(key, chunk)
+        perf_warnings.note_compile(
+            "a DeferAndFuse chunk", where, ([node.plan for node in q.nodes], live), _describe_change
+        )
+    try:
+        start = time.perf_counter()
+        values, flags = chunk.call(*q.externals)
+        if not chunk.compiled:
+            chunk.compiled = True
+            counters.count("compile_seconds", "chunk", time.perf_counter() - start)
+    except Exception as exc:
+        counters.event(
+            "flush",
+            reason=reason,
+            where=where,
+            ops=len(q.nodes),
+            outputs=len(live),
+            compiled=compiled,
+            failed=True,
+        )
+        error = _annotate(exc, q.nodes)
+        for pending in live_pendings:
+            pending.error = error
+        raise error from None
+    counters.event(
+        "flush",
+        reason=reason,
+        where=where,
+        ops=len(q.nodes),
+        outputs=len(live),
+        compiled=compiled,
+        failed=False,
+    )
+    for pending, value in zip(live_pendings, values):
+        pending.value = value
+    for flag, (position, k) in zip(flags, chunk.flag_owners):
+        node = q.nodes[position]
+        checks.defer(
+            [flag], [node.plan.check_infos[k]], f"raised by {node.plan.op} called from {node.where}"
+        )
+
+
+def _describe_change(old, new) -> str:
+    """What differs between two chunks compiled from the same line."""
+    from torchtpu.plans import describe_change
+    from torchtpu.schema import info
+
+    (old_plans, old_live), (new_plans, new_live) = old, new
+    for position, (a, b) in enumerate(zip(old_plans, new_plans)):
+        if a is b:
+            continue
+        if a.op != b.op:
+            return f"op #{position + 1} of the chunk: {a.op} -> {b.op}"
+        return f"op #{position + 1} of the chunk ({b.op}): " + describe_change(
+            info(b.op), a.key, b.key
+        )
+    if len(old_plans) != len(new_plans):
+        return f"the number of ops in the chunk: {len(old_plans)} -> {len(new_plans)}"
+    if old_live != new_live:
+        return "which of the chunk's values are still referenced by tensors"
+    return "how the chunk's ops use each other's values"
+
+
+def _annotate(exc: Exception, nodes: list[_Node]) -> Exception:
+    """The error of a failed chunk, naming the op and the user line that recorded it."""
+    if isinstance(exc, _NodeError):
+        node = nodes[exc.position]
+        cause = exc.cause
+        cause.add_note(
+            f"torchtpu: raised by {node.plan.op} recorded at {node.where or 'an unknown line'} (DeferAndFuse)"
+        )
+        return cause
+    exc.add_note(f"torchtpu: raised while running a DeferAndFuse chunk of {len(nodes)} ops")
+    return exc

@@ -1,0 +1,112 @@
+"""``torchtpu.explain(fn, *args)``: run ``fn`` once and say where its time goes.
+
+The account lists the ops run per eager mode, every DeferAndFuse flush (its reason,
+the user line that caused it, how many ops it ran, whether it compiled), the XLA
+compilations, and the ops that ran on the CPU fallback. It is built from the
+counters (counters.py) and from events the runtime notes while a recording is open.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+from torchtpu import counters
+
+
+@dataclasses.dataclass
+class Explanation:
+    """What one call of ``fn`` did on tpu. ``str()`` gives the readable account."""
+
+    result: object
+    metrics: dict[str, dict[str, float]]
+    events: list[tuple[str, dict]]
+
+    @property
+    def flushes(self) -> list[dict]:
+        return [details for kind, details in self.events if kind == "flush"]
+
+    @property
+    def compiles(self) -> list[dict]:
+        """Compilations of per-op programs (DeferAndFuse chunks are in ``flushes``)."""
+        return [details for kind, details in self.events if kind == "compile"]
+
+    @property
+    def fallbacks(self) -> list[dict]:
+        return [details for kind, details in self.events if kind == "fallback"]
+
+    def __str__(self) -> str:
+        m = self.metrics
+        ops = m.get("ops", {})
+        lines = ["torchtpu.explain"]
+        by_mode = ", ".join(f"{mode}: {int(n)}" for mode, n in sorted(ops.items()))
+        lines.append(f"  ops run: {int(sum(ops.values()))}" + (f" ({by_mode})" if by_mode else ""))
+        seconds = m.get("compile_seconds", {})
+        lines.append(
+            f"  per-op programs compiled (Strict, Debug): {len(self.compiles)}"
+            f" ({seconds.get('op', 0.0):.2f} s)"
+        )
+        if self.compiles:
+            where = collections.Counter(c["where"] for c in self.compiles)
+            for line, n in where.most_common(5):
+                lines.append(f"    {n} from {line}")
+        lines.append(
+            f"  DeferAndFuse flushes: {len(self.flushes)}"
+            f" (chunks compiled: {sum(f['compiled'] for f in self.flushes)},"
+            f" {seconds.get('chunk', 0.0):.2f} s)"
+        )
+        for i, f in enumerate(self.flushes, 1):
+            state = "compiled" if f["compiled"] else "cached"
+            if f["failed"]:
+                state += ", failed"
+            lines.append(
+                f"    {i}. {f['reason']} at {f['where']}: {f['ops']} ops, "
+                f"{f['outputs']} outputs kept ({state})"
+            )
+        fallback = m.get("fallback", {})
+        if fallback:
+            lines.append("  CPU fallbacks (slow: no lowering):")
+            for op, n in sorted(fallback.items(), key=lambda kv: -kv[1]):
+                first = next((f["where"] for f in self.fallbacks if f["op"] == op), "?")
+                lines.append(f"    {op}: {int(n)} calls, first from {first}")
+        else:
+            lines.append("  CPU fallbacks: none")
+        moved = m.get("transfer_bytes", {})
+        if moved:
+            lines.append(
+                "  bytes moved: "
+                + ", ".join(f"{name} {int(n):,}" for name, n in sorted(moved.items()))
+            )
+        return "\n".join(lines)
+
+    __repr__ = __str__
+
+
+def explain(fn, *args, **kwargs) -> Explanation:
+    """Run ``fn(*args, **kwargs)`` once, finish its work (``torchtpu.sync()``), and return
+    an `Explanation`: ops per mode, flushes with reasons and user lines, compilations,
+    fallbacks. Its ``result`` is what ``fn`` returned. Example::
+
+        print(torchtpu.explain(train_step, batch))
+    """
+    from torchtpu import sync
+
+    before = counters.metrics()
+    log: list = []
+    counters._recorders.append(log)
+    try:
+        result = fn(*args, **kwargs)
+        sync()
+    finally:
+        counters._recorders.remove(log)
+    return Explanation(result, _difference(counters.metrics(), before), log)
+
+
+def _difference(after: dict, before: dict) -> dict:
+    out = {}
+    for category, values in after.items():
+        old = before.get(category, {})
+        changed = {k: v - old.get(k, 0) for k, v in values.items() if v != old.get(k, 0)}
+        if changed:
+            out[category] = changed
+    return out

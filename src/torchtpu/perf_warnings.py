@@ -1,0 +1,117 @@
+"""Warnings about slow patterns: a line that keeps recompiling, a loop that flushes.
+
+Each warns once per cause (the user's line), after a threshold, so a notebook shows
+one actionable line instead of a flood. The CPU fallback's own warning lives in
+fallback.py.
+
+Note [What counts as recompiling]
+    A line may legitimately compile many programs at once: ``opt.step()`` runs
+    ``add_`` once per parameter shape. What is slow is a line that compiles again
+    and again *over time*. Time here is counted in reads of values (``.item()``,
+    ``.cpu()``, a DeferAndFuse flush): a training step reads at least its loss. So a
+    (op, line) recompiles when it compiles in another read-epoch than the one it last
+    compiled in; it warns after ``config.recompile_warn_after`` such epochs, or after
+    eight times as many compiles in all (a loop that never reads a value).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+from torchtpu import config
+from torchtpu.errors import user_stacklevel
+
+
+class TPUPerformanceWarning(UserWarning):
+    """Something makes tpu code slow; the message says what and how to avoid it."""
+
+
+class TPURecompileWarning(TPUPerformanceWarning):
+    """The same line keeps compiling new XLA programs."""
+
+
+class TPUFlushWarning(TPUPerformanceWarning):
+    """DeferAndFuse flushes its queue from the same line again and again."""
+
+
+# Reads of values so far: the clock of Note [What counts as recompiling].
+epoch = 0
+
+# (kind, user line) -> [compiles, epochs with a compile, epoch of the last, last key]
+_compiles: dict[tuple[str, str], list] = {}
+_warned_lines: set[str] = set()
+# user line -> [flushes, warned]
+_flushes: dict[str, list] = {}
+
+
+def note_read() -> None:
+    global epoch
+    epoch += 1
+
+
+def note_compile(kind: str, where: str, key, describe_change) -> None:
+    """Called on every compilation of a ``kind`` ("aten.add.Tensor", "a DeferAndFuse
+    chunk") from user line ``where``; ``describe_change(old_key, new_key)`` says what
+    differs. Warns once per line."""
+    if where == "<unknown>":  # e.g. the backward pass, on autograd's thread
+        return
+    entry = _compiles.get((kind, where))
+    if entry is None:
+        _compiles[(kind, where)] = [1, 1, epoch, key]
+        return
+    entry[0] += 1
+    if entry[2] != epoch:
+        entry[1] += 1
+        entry[2] = epoch
+    limit = config.recompile_warn_after
+    if (entry[1] >= limit or entry[0] >= 8 * limit) and where not in _warned_lines:
+        _warned_lines.add(where)
+        change = describe_change(entry[3], key)
+        warnings.warn(
+            f"torchtpu: {where} keeps compiling {kind} ({entry[0]} programs so far); the "
+            f"last compile was caused by {change}. Each new shape, dtype or constant "
+            "compiles a new XLA program: keep shapes fixed (pad or bucket them) and pass "
+            "changing numbers as tensors or Python floats.",
+            TPURecompileWarning,
+            stacklevel=user_stacklevel(),
+        )
+    entry[3] = key
+
+
+def note_flush(reason: str, where: str) -> None:
+    """Called on a DeferAndFuse flush caused by reading a value at ``where``."""
+    entry = _flushes.get(where)
+    if entry is None:
+        _flushes[where] = [1, False]
+        return
+    entry[0] += 1
+    if entry[0] >= config.flush_warn_after and not entry[1]:
+        entry[1] = True
+        warnings.warn(
+            f"torchtpu: {where} has flushed the DeferAndFuse queue {entry[0]} times "
+            f"({reason}). Each flush waits for the device and ends a fused chunk: read "
+            "values less often (e.g. log loss.item() every N steps, or accumulate "
+            "losses in a tensor and read it once).",
+            TPUFlushWarning,
+            stacklevel=user_stacklevel(),
+        )
+
+
+def first_difference(old, new, path: tuple = ()) -> tuple[tuple, object, object] | None:
+    """The path to the first leaf where two nested tuples differ, and both leaves."""
+    if isinstance(old, tuple) and isinstance(new, tuple) and len(old) == len(new):
+        for i, (a, b) in enumerate(zip(old, new)):
+            found = first_difference(a, b, path + (i,))
+            if found is not None:
+                return found
+        return None
+    if old == new:
+        return None
+    return path, old, new
+
+
+def reset() -> None:
+    """Forget what was counted (each cause may warn again)."""
+    _compiles.clear()
+    _warned_lines.clear()
+    _flushes.clear()

@@ -1,0 +1,182 @@
+"""DeferAndFuse: same results as Strict and CPU, one compiled chunk per training step,
+flushes where values are read, only live values materialised."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import torchtpu
+from conftest import assert_same
+from torchtpu import defer
+
+
+@pytest.fixture
+def deferred():
+    with torch.tpu.set_eager_mode("defer"):
+        yield
+    assert defer.pending_count() == 0  # leaving the mode flushed the queue
+
+
+def _flushes():
+    return torchtpu.metrics().get("flushes", {})
+
+
+def test_selecting_the_mode():
+    with torch.tpu.set_eager_mode(torch.tpu.EagerMode.DEFER_AND_FUSE):
+        assert torch.tpu.eager_mode is torch.tpu.EagerMode.DEFER_AND_FUSE
+    torch.tpu.eager_mode = "defer"
+    try:
+        assert torch.tpu.eager_mode is torch.tpu.EagerMode.DEFER_AND_FUSE
+    finally:
+        torch.tpu.eager_mode = "strict"
+
+
+def test_ops_are_recorded_not_run_and_metadata_does_not_flush(deferred):
+    x = torch.randn(4, 3, device="tpu")
+    y = (x * 2 + 1).t().sum(0, keepdim=True)
+    assert defer.pending_count() > 0
+    assert y.shape == (1, 4) and y.dtype == torch.float32 and y.device == torch.device("tpu:0")
+    assert y.stride() == (4, 1) and y.requires_grad is False and y.dim() == 2
+    assert "flushes" not in torchtpu.metrics()
+    assert_same(y, (x.cpu() * 2 + 1).t().sum(0, keepdim=True))
+    assert _flushes() == {"value read": 1}
+
+
+@pytest.mark.parametrize(
+    "read, reason",
+    [
+        (lambda t: t.item(), "value read"),
+        (lambda t: t.cpu(), "value read"),
+        (lambda t: t.to("cpu"), "value read"),
+        (lambda t: t.tolist(), "value read"),
+        (lambda t: t.numpy(), "value read"),
+        (lambda t: bool(t > 0), "value read"),
+        (lambda t: float(t), "value read"),
+        (lambda t: repr(t), "value read"),
+        (lambda t: f"{t:.3f}", "value read"),
+        (lambda t: torch.nonzero(t.reshape(1)), "data-dependent shape"),
+        (lambda t: t.reshape(1)[t.reshape(1) > 0], "data-dependent shape"),
+        (lambda t: torch.tpu.synchronize(), "sync"),
+        (lambda t: torchtpu.sync(), "sync"),
+        (lambda t: torch.tpu.set_eager_mode("strict"), "mode change"),
+    ],
+)
+def test_flush_points(read, reason):
+    with torch.tpu.set_eager_mode("defer"):
+        t = torch.ones((), device="tpu") * 3
+        torchtpu.reset_metrics()
+        read(t)
+        assert _flushes() == {reason: 1}
+        torch.tpu.set_eager_mode("defer")
+
+
+@pytest.mark.allow_fallback
+@pytest.mark.filterwarnings("ignore::torchtpu.TPUFallbackWarning")
+def test_cpu_fallback_flushes(deferred):
+    a = torch.randn(4, 3, device="tpu") + 1
+    torchtpu.reset_metrics()
+    torch.ops.aten._cdist_forward.default(a, a, 2.0, None)
+    assert _flushes().get("cpu fallback") == 1
+
+
+def test_queue_bound_flushes(deferred, monkeypatch):
+    monkeypatch.setattr(torchtpu.config, "defer_max_ops", 8)
+    x = torch.zeros(3, device="tpu")
+    for _ in range(20):
+        x = x + 1
+    assert _flushes() == {"queue full": 2}
+    assert_same(x, torch.full((3,), 20.0))
+
+
+def test_only_live_values_are_outputs(deferred):
+    x = torch.randn(8, device="tpu")
+    a = x * 2
+    b = a + 1
+    c = b.exp()
+    del a, b  # dead intermediates: never materialised
+    c.cpu()
+    # x (still referenced) and c come out of the chunk; x * 2 and + 1 stay inside XLA.
+    assert torchtpu.metrics()["chunk_values"] == {"outputs": 2, "dropped": 2}
+
+
+def test_mutation_order_and_views(deferred):
+    base = torch.zeros(3, 4, device="tpu")
+    row = base[1]
+    col = base[:, 2]
+    row.add_(1)
+    col.fill_(5)
+    first = base.clone()
+    base.mul_(2)
+    row.sub_(1)
+    expected = torch.zeros(3, 4)
+    expected[1].add_(1)
+    expected[:, 2].fill_(5)
+    expected_first = expected.clone()
+    expected.mul_(2)
+    expected[1].sub_(1)
+    assert_same(first, expected_first)
+    assert_same(base, expected)
+    assert_same(col, expected[:, 2])
+
+
+def _train(mode, steps, scheduler=False, dropout=0.0):
+    torch.manual_seed(0)
+    with torch.tpu.set_eager_mode(mode):
+        model = nn.Sequential(
+            nn.Linear(32, 64), nn.ReLU(), nn.Dropout(dropout), nn.Linear(64, 10)
+        ).to("tpu")
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        sched = torch.optim.lr_scheduler.ExponentialLR(opt, 0.9) if scheduler else None
+        x = torch.randn(16, 32, device="tpu")
+        y = torch.randint(0, 10, (16,), device="tpu")
+        losses, compiles = [], []
+        for _ in range(steps):
+            before = torchtpu.metrics().get("compiles", {}).get("chunk", 0)
+            opt.zero_grad()
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            opt.step()
+            if sched:
+                sched.step()
+            losses.append(loss.item())
+            compiles.append(torchtpu.metrics().get("compiles", {}).get("chunk", 0) - before)
+    return losses, compiles
+
+
+def test_training_matches_strict_and_compiles_once():
+    strict, _ = _train("strict", 20)
+    torchtpu.reset_metrics()
+    deferred, compiles = _train("defer", 20, scheduler=False)
+    torch.testing.assert_close(torch.tensor(deferred), torch.tensor(strict), rtol=0, atol=1e-6)
+    assert sum(compiles[2:]) == 0, compiles  # warm after the first steps: one cached chunk per step
+    assert torchtpu.metrics()["flushes"] == {"value read": 20}
+
+
+def test_changing_learning_rate_does_not_recompile():
+    _, compiles = _train("defer", 10, scheduler=True)
+    assert sum(compiles[2:]) == 0, compiles
+
+
+def test_dropout_differs_per_step_without_recompiling():
+    losses, compiles = _train("defer", 8, dropout=0.5)
+    assert len(set(losses)) == len(losses)
+    assert sum(compiles[2:]) == 0, compiles
+
+
+def test_error_in_a_chunk_names_the_op_and_line_and_spares_other_tensors(deferred):
+    keep = torch.arange(4.0, device="tpu") + 1
+    keep.cpu()
+    x = torch.arange(3.0, device="tpu")
+    bad = x[torch.tensor([7], device="tpu")]  # the line to be named
+    line = sys._getframe().f_lineno - 1
+    other = keep * 2
+    with pytest.raises(IndexError) as info:
+        bad.cpu()
+    assert "aten.index.Tensor" in str(info.value) and f"{__file__}:{line}" in str(info.value)
+    assert_same(keep, torch.arange(4.0) + 1)
+    assert_same(other, (torch.arange(4.0) + 1) * 2)

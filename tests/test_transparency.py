@@ -1,0 +1,185 @@
+"""Nothing slow is silent: recompile and flush warnings, explain(), metrics, and the
+persistent compilation cache."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import warnings
+
+import pytest
+import torch
+
+import torchtpu
+from torchtpu import config, perf_warnings
+
+
+@pytest.fixture(autouse=True)
+def _fresh_warnings(monkeypatch):
+    perf_warnings.reset()
+    monkeypatch.setattr(config, "recompile_warn_after", 4)
+    monkeypatch.setattr(config, "flush_warn_after", 5)
+    yield
+    perf_warnings.reset()
+
+
+def _caught(fn):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fn()
+    return [w for w in caught if issubclass(w.category, torchtpu.TPUPerformanceWarning)]
+
+
+def test_recompiling_line_warns_once_naming_the_change_and_the_line():
+    xs = [torch.ones(n, 3).to("tpu") for n in range(1, 9)]
+
+    def loop():
+        for x in xs:
+            x.sum().item()  # the line that recompiles
+
+    caught = _caught(loop)
+    assert len(caught) == 1
+    w = caught[0]
+    assert w.category is torchtpu.TPURecompileWarning
+    assert w.filename == __file__
+    assert "keeps compiling aten.sum.default" in str(w.message)
+    assert "argument `self`: float32[3, 3] -> float32[4, 3]" in str(w.message)
+    assert _caught(loop) == []  # once per line
+
+
+def test_constant_change_is_named():
+    x = torch.ones(4, 4, 4, 4, device="tpu")
+
+    def loop():
+        for dim in range(4):
+            x.sum(dim).cpu()
+
+    (w,) = _caught(loop)
+    assert "argument `dim`: the constant (2,) -> the constant (3,)" in str(w.message)
+
+
+def test_stable_shapes_and_changing_floats_do_not_warn():
+    x = torch.ones(8, 8, device="tpu")
+
+    def loop():
+        for step in range(20):
+            (x * (0.1 * step) + step).sum().item()
+
+
+def test_many_shapes_compiled_once_each_do_not_warn():
+    # opt.step() compiles add_ once per parameter shape, then reuses them.
+    params = [torch.zeros(n, 2).to("tpu") for n in range(1, 20)]
+
+    def loop():
+        for _ in range(10):
+            for p in params:
+                p.add_(1.0)
+            params[0].sum().item()
+
+    assert _caught(loop) == []
+
+    assert _caught(loop) == []
+
+
+def test_deferred_chunk_recompiles_warn_with_the_op_that_changed():
+    xs = [torch.ones(n, 2).to("tpu") for n in range(1, 7)]
+
+    def loop():
+        with torch.tpu.set_eager_mode("defer"):
+            for x in xs:
+                (x * 2).sum().item()
+
+    caught = [w for w in _caught(loop) if w.category is torchtpu.TPURecompileWarning]
+    assert len(caught) == 1
+    assert "DeferAndFuse chunk" in str(caught[0].message)
+    message = str(caught[0].message)
+    assert (
+        "op #1 of the chunk (aten.mul.Tensor): argument `self`: float32[3, 2] -> float32[4, 2]"
+        in message
+    )
+    assert caught[0].filename == __file__
+
+
+def test_flushing_every_step_from_one_line_warns():
+    x = torch.ones(4, device="tpu")
+
+    def loop():
+        with torch.tpu.set_eager_mode("defer"):
+            for _ in range(10):
+                (x + 1).sum().item()
+
+    caught = [w for w in _caught(loop) if w.category is torchtpu.TPUFlushWarning]
+    assert len(caught) == 1
+    assert caught[0].filename == __file__
+    assert "loss.item() every N steps" in str(caught[0].message)
+
+
+def test_explain_accounts_for_flushes_compiles_and_fallbacks():
+    model = torch.nn.Linear(8, 4).to("tpu")
+
+    def step(x):
+        loss = model(x).square().mean()
+        loss.backward()
+        return loss.item()
+
+    with torch.tpu.set_eager_mode("defer"):
+        account = torchtpu.explain(step, torch.randn(2, 8, device="tpu"))
+    assert isinstance(account.result, float)
+    assert account.metrics["ops"]["defer"] > 5
+    (flush,) = [f for f in account.flushes if f["reason"] == "value read"]
+    assert flush["where"].startswith(f"{__file__}:") and "in step" in flush["where"]
+    assert flush["compiled"] and flush["ops"] > 5
+    text = str(account)
+    assert "value read at" in text and "CPU fallbacks: none" in text
+
+
+@pytest.mark.allow_fallback
+def test_explain_names_fallbacks(monkeypatch):
+    from torchtpu import dispatch, fallback
+
+    # Pretend sin has no lowering, so it runs on the CPU fallback.
+    monkeypatch.setitem(dispatch._HANDLERS, torch.ops.aten.sin.default, fallback.run_on_cpu)
+    x = torch.randn(6, device="tpu")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        account = torchtpu.explain(lambda: x.sin() + 1)
+    assert account.metrics["fallback"] == {"aten.sin.default": 1}
+    (event,) = account.fallbacks
+    assert event["where"].startswith(f"{__file__}:")
+    assert "aten.sin.default: 1 calls, first from" in str(account)
+    torch.testing.assert_close(account.result.cpu(), x.cpu().sin() + 1)
+
+
+def test_metrics_count_bytes_and_compiles():
+    torchtpu.reset_metrics()
+    x = torch.randn(16, 16).to("tpu")
+    (x * 3).cpu()
+    m = torchtpu.metrics()
+    assert m["transfer_bytes"] == {"to_device": 16 * 16 * 4, "to_host": 16 * 16 * 4}
+    assert m["ops"]["strict"] >= 1
+    assert "compiles" in m or m["op_cache"]["hit"] >= 1
+    assert "transfer_bytes" in torchtpu.metrics_report()
+
+
+def test_persistent_compile_cache_warm_starts_a_second_process(tmp_path):
+    script = textwrap.dedent(
+        """
+        import torch, torchtpu
+        x = torch.arange(12.0).reshape(3, 4).to("tpu")
+        print(((x * 2).tanh() @ x.t()).sum().item())
+        """
+    )
+    env = dict(os.environ, TORCHTPU_COMPILE_CACHE_DIR=str(tmp_path / "xla"))
+    runs = [
+        subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
+        for _ in range(2)
+    ]
+    for run in runs:
+        assert run.returncode == 0, run.stderr
+    assert runs[0].stdout == runs[1].stdout
+    assert len(os.listdir(tmp_path / "xla")) > 0  # programs were written...
+    env["TORCHTPU_COMPILE_CACHE_DIR"] = "0"
+    off = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
+    assert off.returncode == 0 and off.stdout == runs[0].stdout
