@@ -11,13 +11,17 @@ _configure_jax()
 from torchtpu.ops import (  # noqa: E402, F401  (each module registers its lowerings)
     elementwise,
     factories,
+    fft,
     foreach,
     indexing,
     linalg,
+    linalg_solvers,
+    misc,
     nn,
     random,
     reduction,
     shape,
+    special,
     views,
 )
 from torchtpu.ops.registry import TABLE, Lowering, aten, lowers  # noqa: E402

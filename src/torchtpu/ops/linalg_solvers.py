@@ -1,0 +1,3 @@
+"""Matrix decompositions and solvers (cholesky, lu, qr, svd, eigh, inverse, det, ...)."""
+
+from __future__ import annotations
