@@ -77,11 +77,16 @@ def test_flush_points(read, reason):
 
 @pytest.mark.allow_fallback
 @pytest.mark.filterwarnings("ignore::torchtpu.TPUFallbackWarning")
-def test_cpu_fallback_flushes(deferred):
+def test_cpu_fallback_flushes(deferred, monkeypatch):
+    from torchtpu import dispatch, fallback
+
+    # Pretend sin has no lowering, so it runs on the CPU fallback.
+    monkeypatch.setitem(dispatch._HANDLERS, torch.ops.aten.sin.default, fallback.run_on_cpu)
     a = torch.randn(4, 3, device="tpu") + 1
     torchtpu.reset_metrics()
-    torch.ops.aten._cdist_forward.default(a, a, 2.0, None)
+    out = a.sin()
     assert _flushes().get("cpu fallback") == 1
+    assert_same(out, a.cpu().sin())
 
 
 def test_queue_bound_flushes(deferred, monkeypatch):

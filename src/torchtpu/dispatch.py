@@ -40,7 +40,26 @@ def dispatch(func, args, kwargs):
             handler = _HANDLERS[func] = _integer_indices(handler)
         if func in _BATCH_NORM_TRAINING_ARG:
             handler = _HANDLERS[func] = _empty_stats_in_eval(handler, func)
+        if func in _FACTORS_BY_LAYOUT:
+            handler = _HANDLERS[func] = _factor_as_laid_out(handler)
     return handler(func, args, kwargs)
+
+
+# Ops whose LU output is that of A^T for a contiguous real A and that of A otherwise
+# (LAPACK is column-major), with backward formulas that ask A.is_contiguous() which it
+# was. Lowerings see values, not strides: they always factor A^T, so a non-contiguous
+# real A is passed as the contiguous B = A^T-laid-out copy, whose B^T is A.
+_FACTORS_BY_LAYOUT = {aten._linalg_det.default, aten._linalg_slogdet.default}
+
+
+def _factor_as_laid_out(handler):
+    def as_laid_out(func, args, kwargs):
+        a = args[0]
+        if not a.is_complex() and not a.is_contiguous():
+            args = (a.mT.contiguous(),) + tuple(args[1:])
+        return handler(func, args, kwargs)
+
+    return as_laid_out
 
 
 # Batch norm ops and the position of their `training` argument (None: always eval).

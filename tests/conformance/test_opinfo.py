@@ -40,3 +40,21 @@ def test_opinfo(case):
             )
         pytest.xfail(expected.reason)
     assert result.outcome == "pass", result.detail
+
+
+def test_every_expectation_names_real_cases():
+    """An entry whose op, variant, dtype, check or mode matches no case is stale."""
+    every = list(harness.cases())
+    for key, expected in expectations.EXPECTATIONS.items():
+        matching = [
+            c
+            for c in every
+            if all(
+                k == "*" or k == v
+                for k, v in zip(
+                    key,
+                    (c.op_name, c.variant, str(c.dtype).replace("torch.", ""), c.check, c.mode),
+                )
+            )
+        ]
+        assert matching, f"stale expectation {key}: no such case ({expected.reason})"

@@ -27,9 +27,9 @@ _SHORT = {
 _MARK = {"pass": "✓", "fail": "✗", "mismatch": "≠", "skip": "–"}
 
 
-def _run_all(selected, max_samples, progress) -> list[harness.Result]:
+def _run_all(selected, progress) -> list[harness.Result]:
     results = []
-    for i, case in enumerate(selected):
+    for i, (case, max_samples) in enumerate(selected):
         expected = expectations.lookup(
             case.op_name, case.variant, case.dtype, case.check, case.mode
         )
@@ -203,16 +203,27 @@ def _base_name(name: str) -> str:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description="OpInfo conformance report for torchtpu")
     parser.add_argument("--out", default="docs/conformance.md")
-    parser.add_argument("--scope", choices=sorted(harness.SCOPES), default="full")
+    parser.add_argument(
+        "--scope",
+        nargs="+",
+        choices=sorted(harness.SCOPES),
+        default=["full"],
+        help="one or more scopes (harness.SCOPES); their cases are run and reported together",
+    )
     parser.add_argument("--ops", nargs="*", help="only these OpInfo names")
     args = parser.parse_args(argv)
-    selected, max_samples = harness.scope(args.scope)
+    selected = []  # (case, samples cap)
+    for name in args.scope:
+        cases, cap = harness.scope(name)
+        selected += [(case, cap) for case in cases]
     if args.ops:
         selected = [
-            c for c in selected if c.op_name in args.ops or harness.find(c.op_name).name in args.ops
+            (c, cap)
+            for c, cap in selected
+            if c.op_name in args.ops or harness.find(c.op_name).name in args.ops
         ]
     start = time.perf_counter()
-    results = _run_all(selected, max_samples, progress=True)
+    results = _run_all(selected, progress=True)
     command = "python -m torchtpu.conformance " + " ".join(
         argv if argv is not None else sys.argv[1:]
     )

@@ -45,6 +45,24 @@ EXPECTATIONS: dict[tuple[str, str, str, str, str], Expectation] = {
     ("nn.functional.conv_transpose3d", "*", "float32", "*", "*"): tolerance(
         1.3e-5, 5e-5, _ACCUMULATION
     ),
+    ("fft.hfft2", "*", "float32", "*", "*"): tolerance(
+        1.3e-6,
+        1e-4,
+        "float32 FFT rounding: 3e-5 on outputs up to 251, the size of torch's own float32 "
+        "error against float64",
+    ),
+    ("matrix_exp", "*", "float32", "*", "*"): tolerance(
+        1e-5,
+        1e-3,
+        "float32 rounding of a series on entries up to 1e5: against a float64 reference "
+        "ours is as accurate as the CPU's (1.8e-6 vs 3.2e-6 of the matrix norm)",
+    ),
+    ("cdist", "op", "float32", "grad", "*"): tolerance(
+        1.3e-5,
+        1e-4,
+        "the matrix-product formula of euclidean distances cancels in float32 "
+        "(4.6e-5 off on one sample); the CPU's own formula cancels differently",
+    ),
     ("chalf", "*", "*", "*", "*"): xfail(
         "complex32 has no JAX dtype: a tpu result of that dtype raises TypeError"
     ),

@@ -29,7 +29,7 @@ import torchtpu
 from torchtpu import checks
 
 #: Eager modes the suite runs in. Adding a mode is adding its name here.
-MODES = ("strict", "debug")
+MODES = ("strict", "debug", "defer")
 
 #: Dtypes checked for every op that supports them, then the extra ones.
 REQUIRED_DTYPES = (torch.float32, torch.int64, torch.bool)
@@ -45,13 +45,19 @@ RANDOM_OPS = frozenset(
         "randint_like", "multinomial", "nn.functional.dropout", "nn.functional.dropout2d",
         "nn.functional.dropout3d", "nn.functional.alpha_dropout",
         "nn.functional.feature_alpha_dropout", "nn.functional.fractional_max_pool2d",
-        "nn.functional.fractional_max_pool3d", "uniform", "exponential", "geometric",
+        "nn.functional.fractional_max_pool3d", "nn.functional.rrelu", "svd_lowrank",
+        "pca_lowrank", "uniform", "exponential", "geometric",
         "cauchy", "empty", "empty_like", "new_empty", "new_empty_strided", "empty_strided",
         "empty_permuted", "torch.ops.aten._flash_attention_forward",
         "torch.ops.aten._efficient_attention_forward",
     }
 )  # fmt: skip
 
+
+# Factorizations unique only up to signs or phases (torch documents it; LAPACK builds
+# differ in the choice): forward values are compared through the sample's
+# gauge-invariant output_process_fn_grad, as OpInfo's gradient tests do.
+GAUGE_DEPENDENT = frozenset({"svd", "linalg.svd", "linalg.eigh", "linalg.eig", "linalg.qr", "qr"})
 
 # Positional arguments torch requires on the CPU whatever the device (as the samples
 # make them): they are not moved to tpu.
@@ -108,13 +114,20 @@ class Result:
 #: The named selections of cases: scope -> (cases() arguments, samples per case).
 #: "ci" is what the default test run checks within CI's time budget: the first samples
 #: of every op's float32 forward in Strict. "forward" is every float32 forward sample of
-#: every variant in Strict (the coverage figure); "full" is everything.
+#: every variant in Strict; "grad" the gradients of the first float32 samples of every
+#: op; "coverage" every float32 forward, gradient and error-input sample; "full" is
+#: everything.
 SCOPES = {
     "ci": (
         dict(dtypes=(torch.float32,), variants=("op",), checks=("forward",), modes=("strict",)),
         3,
     ),
     "forward": (dict(dtypes=(torch.float32,), checks=("forward",), modes=("strict",)), None),
+    "grad": (
+        dict(dtypes=(torch.float32,), variants=("op",), checks=("grad",), modes=("strict",)),
+        3,
+    ),
+    "coverage": (dict(dtypes=(torch.float32,), modes=("strict",)), None),
     "full": ({}, None),
 }
 
@@ -258,7 +271,11 @@ def _run_forward(op, fn, sample_cpu, sample_tpu, random, tolerance):
                 f"raised {type(other).__name__}: {other}; CPU raises {type(exc).__name__}: {exc}"
             ) from None
         raise Mismatch(f"returned a value; CPU raises {type(exc).__name__}: {exc}") from None
-    actual = _read(_call(fn, sample_tpu))
+    actual = _call(fn, sample_tpu)
+    if op.name in GAUGE_DEPENDENT:
+        actual = sample_tpu.output_process_fn_grad(actual)
+        expected = sample_cpu.output_process_fn_grad(expected)
+    actual = _read(actual)
     if fn is op.inplace_variant:
         actual = (actual, _read(sample_tpu.input))
         expected = (expected, sample_cpu.input)
