@@ -87,6 +87,23 @@ def mlp_step_fn(device, batch):
     return step
 
 
+def _sgd_step(loss_fn, params, lr=0.1):
+    """A step function: one jitted SGD update of ``params`` on ``loss_fn``, returning the loss."""
+
+    @jax.jit
+    def update(p):
+        loss, grads = jax.value_and_grad(loss_fn)(p)
+        return loss, jax.tree.map(lambda a, g: a - lr * g, p, grads)
+
+    state = {"p": params}
+
+    def step():
+        loss, state["p"] = update(state["p"])
+        return float(loss)
+
+    return step
+
+
 def jax_mlp_step_fn(batch):
     key = jax.random.key(0)
     k1, k2, k3 = jax.random.split(key, 3)
@@ -105,18 +122,7 @@ def jax_mlp_step_fn(batch):
         logits = h @ p["w2"] + p["b2"]
         return -jnp.mean(jax.nn.log_softmax(logits)[jnp.arange(batch), y])
 
-    @jax.jit
-    def update(p):
-        loss, grads = jax.value_and_grad(loss_fn)(p)
-        return loss, jax.tree.map(lambda a, g: a - 0.1 * g, p, grads)
-
-    state = {"p": params}
-
-    def step():
-        loss, state["p"] = update(state["p"])
-        return float(loss)
-
-    return step
+    return _sgd_step(loss_fn, params)
 
 
 class Block(nn.Module):
@@ -194,18 +200,7 @@ def jax_transformer_step_fn(batch=8, seq=32, vocab=256, d=64, heads=4):
         labels = tokens[:, 1:].reshape(-1)
         return -jnp.mean(jax.nn.log_softmax(logits)[jnp.arange(labels.size), labels])
 
-    @jax.jit
-    def update(p):
-        loss, grads = jax.value_and_grad(loss_fn)(p)
-        return loss, jax.tree.map(lambda a, g: a - 0.1 * g, p, grads)
-
-    state = {"p": params}
-
-    def step():
-        loss, state["p"] = update(state["p"])
-        return float(loss)
-
-    return step
+    return _sgd_step(loss_fn, params)
 
 
 MODES = (("Strict", "strict"), ("Debug", "debug"), ("Defer", "defer"))

@@ -181,6 +181,13 @@ def flush(reason: str) -> None:
         perf_warnings.note_compile(
             "a DeferAndFuse chunk", where, ([node.plan for node in q.nodes], live), _describe_change
         )
+
+    def record_event(failed: bool) -> None:
+        counters.event(
+            "flush", reason=reason, where=where, ops=len(q.nodes), outputs=len(live),
+            compiled=compiled, failed=failed,
+        )  # fmt: skip
+
     try:
         start = time.perf_counter()
         values, flags = chunk.call(*q.externals)
@@ -188,28 +195,12 @@ def flush(reason: str) -> None:
             chunk.compiled = True
             counters.count("compile_seconds", "chunk", time.perf_counter() - start)
     except Exception as exc:
-        counters.event(
-            "flush",
-            reason=reason,
-            where=where,
-            ops=len(q.nodes),
-            outputs=len(live),
-            compiled=compiled,
-            failed=True,
-        )
+        record_event(failed=True)
         error = _annotate(exc, q.nodes)
         for pending in live_pendings:
             pending.error = error
         raise error from None
-    counters.event(
-        "flush",
-        reason=reason,
-        where=where,
-        ops=len(q.nodes),
-        outputs=len(live),
-        compiled=compiled,
-        failed=False,
-    )
+    record_event(failed=False)
     for pending, value in zip(live_pendings, values):
         pending.value = value
     for flag, (position, k) in zip(flags, chunk.flag_owners):
