@@ -1432,3 +1432,98 @@ INTERPOLATE = [
 @pytest.mark.parametrize("fn,args", INTERPOLATE)
 def test_interpolate(fn, args):
     check(fn, *args, grad=True)
+
+
+# ======================================================================================
+# Ops Hugging Face models use (tests/models)
+# ======================================================================================
+
+_OFFS = torch.tensor([3, 4, 8], dtype=torch.int32)  # groups of 3, 1 and 4; one may be empty
+GROUPED_MM = [
+    # torch's CPU kernel needs 16-byte aligned strides: sizes are multiples of 4.
+    _case(
+        "rows", lambda a, b, o: torch._grouped_mm(a, b, o), _randn(8, 4), _randn(3, 4, 12), _OFFS
+    ),
+    _case("shared", lambda a, b, o: torch._grouped_mm(a, b, o), _randn(4, 8), _randn(8, 12), _OFFS),
+    _case(
+        "columns", lambda a, b, o: torch._grouped_mm(a, b, o), _randn(3, 4, 4), _randn(4, 8), _OFFS
+    ),
+    _case("batched", lambda a, b: torch._grouped_mm(a, b), _randn(3, 4, 8), _randn(3, 8, 4)),
+    _case(
+        "empty_group",
+        lambda a, b, o: torch._grouped_mm(a, b, o),
+        _randn(8, 4),
+        _randn(3, 4, 4),
+        torch.tensor([3, 3, 8], dtype=torch.int32),
+    ),
+]
+
+
+@pytest.mark.parametrize("fn,args", GROUPED_MM)
+def test_grouped_mm(fn, args):
+    # Mixture-of-experts layers (mixtral, qwen3_moe); backward uses the other layouts.
+    check(fn, *args, grad=True, rtol=1e-5, atol=1e-5)
+
+
+def test_histc_integer_input():
+    # torch's CPU kernel refuses integer input; CUDA's bins it, and Hugging Face's MoE
+    # routing relies on that off the CPU. Same counts as histc of the float values.
+    experts = _randint(0, 4, (20,))
+    for dtype in (torch.int32, torch.int64):
+        expected = torch.histc(experts.float(), bins=4, min=0, max=3).to(dtype)
+        assert_same(torch.histc(tpu(experts.to(dtype)), bins=4, min=0, max=3), expected)
+
+
+@pytest.mark.parametrize("dim", [0, 2])
+def test_weight_norm_backward(dim):
+    # wav2vec2's positional convolution: torch.nn.utils.parametrizations.weight_norm.
+    v = _randn(4, 3, 5)
+    g = _randn(*[size if d == dim else 1 for d, size in enumerate(v.shape)], seed=1)
+    check(lambda v, g: torch._weight_norm(v, g, dim), v, g, grad=True, rtol=1e-5, atol=1e-5)
+
+
+def _ctc_inputs(seed=0):
+    # (T, N, C) log-probabilities; padded targets with a repeated label (a blank must
+    # separate the two), inputs and targets shorter than the padded sizes.
+    log_probs = F.log_softmax(_randn(12, 3, 5, seed=seed), dim=-1)
+    targets = torch.tensor([[1, 2, 2, 3], [4, 1, 0, 0], [3, 3, 3, 0]])
+    return log_probs, targets, torch.tensor([12, 9, 6]), torch.tensor([4, 2, 3])
+
+
+@pytest.mark.parametrize("reduction", ["none", "mean", "sum"])
+def test_ctc_loss(reduction):
+    # wav2vec2 / hubert CTC heads. The 3rd sample needs 6 steps for 3 repeated labels.
+    def loss(lp, t, il, tl):
+        return F.ctc_loss(lp, t, il, tl, reduction=reduction, zero_infinity=True)
+
+    check(loss, *_ctc_inputs(), grad=(0,), rtol=1e-5, atol=1e-5)
+
+
+def test_ctc_loss_concatenated_targets_and_infinite():
+    # 1-d targets; the 2nd sample cannot be aligned (3 labels in 2 steps): inf, and
+    # zero_infinity gives 0 loss and 0 gradient.
+    log_probs = F.log_softmax(_randn(6, 2, 4, seed=2), dim=-1)
+    targets, input_lengths, target_lengths = (
+        torch.tensor([1, 2, 3, 1, 2]),
+        torch.tensor([6, 2]),
+        torch.tensor([2, 3]),
+    )
+    inputs = (log_probs, targets, input_lengths, target_lengths)
+    for zero_infinity in (False, True):
+        check(
+            lambda *a, z=zero_infinity: F.ctc_loss(*a, reduction="none", zero_infinity=z), *inputs
+        )
+    summed = lambda *a: F.ctc_loss(*a, reduction="sum", zero_infinity=True)  # noqa: E731
+    check(summed, *inputs, grad=(0,), rtol=1e-5, atol=1e-5)
+
+
+def test_static_numbers_of_equal_value_but_other_type_are_other_constants():
+    # 4 == 4.0 and 1 == True in Python; as op constants they give other dtypes.
+    for make in (
+        lambda d: torch.arange(4, device=d),
+        lambda d: torch.arange(4.0, device=d),
+        lambda d: torch.full((2,), 1, device=d),
+        lambda d: torch.full((2,), True, device=d),
+        lambda d: torch.full((2,), 1.0, device=d),
+    ):
+        assert_same(make("tpu"), make("cpu"))

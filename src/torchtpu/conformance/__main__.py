@@ -45,6 +45,12 @@ def _run_all(selected, progress) -> list[harness.Result]:
         if expected is not None and expected.kind == "xfail" and result.outcome == "fail":
             result.detail = f"{expected.reason} ({result.detail})"
         results.append(result)
+        if progress and (result.outcome != "pass" or result.fallbacks):
+            # As they happen, so a long run can be read (and acted on) before it ends.
+            fallbacks = (
+                f" [CPU fallback: {', '.join(result.fallbacks)}]" if result.fallbacks else ""
+            )
+            print(f"  {case.id}: {result.outcome} {result.detail}{fallbacks}", file=sys.stderr)
         if progress and (i + 1) % 100 == 0:
             print(f"  {i + 1}/{len(selected)} cases", file=sys.stderr, flush=True)
     return results

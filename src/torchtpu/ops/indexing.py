@@ -230,6 +230,8 @@ def diagonal_scatter(self, src, offset=0, dim1=0, dim2=1):
 
 @lowers(aten.masked_scatter.default)
 def masked_scatter(self, mask, source):
+    # The out-of-place op broadcasts self and mask against each other (expand_outplace).
+    self = jnp.broadcast_to(self, jnp.broadcast_shapes(self.shape, mask.shape))
     mask = jnp.broadcast_to(mask, self.shape).reshape(-1)
     position = jnp.cumsum(mask) - 1
     error_if(

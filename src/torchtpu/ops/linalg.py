@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from torchtpu import dtypes
 from torchtpu.ops.registry import aten, lowers
 
 _LOW_FLOATS = (jnp.float16, jnp.bfloat16)
@@ -28,7 +29,10 @@ def _plus_scaled(product, self, beta, alpha):
     out = _scale(product, alpha)
     if isinstance(beta, (int, float)) and beta == 0:
         return jnp.broadcast_to(out, jnp.broadcast_shapes(out.shape, self.shape))
-    return out + _scale(self, beta)
+    # A traced beta may be 0 too: then self is ignored, its NaN and inf included, as
+    # torch documents for addmm and friends.
+    ignored = jnp.asarray(beta) == 0
+    return out + jnp.where(ignored, jnp.zeros((), out.dtype), _scale(self, beta))
 
 
 @lowers(aten.mm.default, aten.bmm.default, aten.mv.default, precision=True)
@@ -69,3 +73,41 @@ def tril(self, diagonal=0):
 @lowers(aten.triu.default)
 def triu(self, diagonal=0):
     return jnp.triu(self, diagonal)
+
+
+@lowers(aten._grouped_mm.default, precision=True)
+def _grouped_mm(self, mat2, offs=None, bias=None, out_dtype=None, *, precision):
+    """Matrix products of groups of rows/columns (mixture-of-experts layers).
+
+    ``offs`` holds the end offset of each group along the ragged dimension: the rows
+    of a 2-d ``self`` against a 3-d ``mat2`` (one matrix per group), the shared
+    dimension of two 2-d operands (one product per group), or the columns of a 2-d
+    ``mat2`` against a 3-d ``self``. Two 3-d operands are a plain batched product.
+    Each case is a product of every group masked to its own rows/columns, so shapes
+    stay static; positions past the last offset are 0 (torch leaves them unset).
+    """
+    if bias is not None:
+        raise NotImplementedError("torchtpu: _grouped_mm with bias is not supported")
+    # No meta kernel sizes this op for float32 (plans._CUDA_ONLY_META): the lowering
+    # gives the result dtype itself.
+    result_dtype = dtypes.to_jax(out_dtype) if out_dtype is not None else self.dtype
+    if self.dtype in _LOW_FLOATS:  # accumulate in float32, as _matmul does
+        self, mat2 = self.astype(jnp.float32), mat2.astype(jnp.float32)
+    return _grouped_product(self, mat2, offs, precision).astype(result_dtype)
+
+
+def _grouped_product(self, mat2, offs, precision):
+    if self.ndim == 3 and mat2.ndim == 3:
+        return jnp.matmul(self, mat2, precision=precision)
+    ragged = (
+        self.shape[0] if mat2.ndim == 3 else self.shape[-1] if self.ndim == 2 else mat2.shape[1]
+    )
+    position = jnp.arange(ragged)
+    starts = jnp.concatenate([jnp.zeros((1,), offs.dtype), offs[:-1]])
+    member = ((position >= starts[:, None]) & (position < offs[:, None])).astype(self.dtype)
+    if mat2.ndim == 3:  # (M, K) x (G, K, N) -> (M, N), rows grouped
+        return jnp.einsum("mk,gkn,gm->mn", self, mat2, member, precision=precision)
+    if self.ndim == 2:  # (M, K) x (K, N) -> (G, M, N), the shared dimension grouped
+        return jnp.einsum("mk,gk,kn->gmn", self, member, mat2, precision=precision)
+    # (G, M, K) x (K, N) -> (M, N), columns grouped
+    return jnp.einsum("gmk,kn,gn->mn", self, mat2, member, precision=precision)

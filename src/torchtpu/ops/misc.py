@@ -510,6 +510,11 @@ def _linear_search_bin(values, edges):
 
 @lowers(aten.histc.default)
 def histc(self, bins=100, min=0, max=0):
+    # Integer input is binned as on CUDA (torch's CPU kernel refuses it): Hugging Face's
+    # MoE routing counts tokens per expert with an int histc on accelerators.
+    counts_dtype = self.dtype
+    if jnp.issubdtype(self.dtype, jnp.integer):
+        self = self.astype(jnp.float64)
     _require_floating(self, "histogram_cpu")
     _check_bin_counts([bins])
     left, right = jnp.asarray(min, jnp.float64), jnp.asarray(max, jnp.float64)
@@ -531,7 +536,7 @@ def histc(self, bins=100, min=0, max=0):
     def locate(values, edges):
         return _linear_bin(values, edges, local_search=False)
 
-    return _histogram(self.reshape(-1, 1), [edges], None, False, locate)
+    return _histogram(self.reshape(-1, 1), [edges], None, False, locate).astype(counts_dtype)
 
 
 @lowers(aten.histogram.bin_ct)
@@ -555,6 +560,22 @@ def _histogramdd_from_bin_cts(self, bins, range=None, weight=None, density=False
     rows = self.reshape(-1, self.shape[-1])
     edges = _bin_count_edges(rows, bins, range)
     return _histogram(rows, edges, weight, density, _linear_search_bin)
+
+
+@lowers(aten._histogramdd_bin_edges.default)
+def _histogramdd_bin_edges(self, bins, range=None, weight=None, density=False):
+    _require_floating(self, "histogramdd")
+    return _bin_count_edges(self.reshape(-1, self.shape[-1]), bins, range)
+
+
+# torch has no Meta kernel for _histogramdd_bin_edges, and a plan sizes a list of
+# outputs from the Meta kernel (plans._build): dimension d has bins[d] + 1 edges.
+_META = torch.library.Library("aten", "IMPL")
+
+
+@torch.library.impl(_META, "_histogramdd_bin_edges", "Meta")
+def _histogramdd_bin_edges_meta(self, bins, range=None, weight=None, density=False):
+    return [self.new_empty(n + 1) for n in bins]
 
 
 @lowers(aten._histogramdd_from_bin_tensors.default)

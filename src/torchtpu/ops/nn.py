@@ -6,6 +6,7 @@ forward lowering, so forward and backward cannot disagree.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 
@@ -328,17 +329,21 @@ def _adaptive_bins(size, out):
     return jnp.asarray(positions, jnp.int64), jnp.asarray(valid)
 
 
-@lowers(aten.adaptive_max_pool2d.default)
-def adaptive_max_pool2d(self, output_size):
-    (h, w), (out_h, out_w) = self.shape[-2:], _tuple(output_size, 2)
-    rows, row_valid = _adaptive_bins(h, out_h)  # (out_h, Kh)
-    cols, col_valid = _adaptive_bins(w, out_w)  # (out_w, Kw)
-    kh, kw = rows.shape[1], cols.shape[1]
-    # windows[..., i, j, a, b] = self[..., rows[i, a], cols[j, b]]
-    windows = self[..., rows[:, None, :, None], cols[None, :, None, :]]
-    valid = row_valid[:, None, :, None] & col_valid[None, :, None, :]
-    windows = windows.reshape(self.shape[:-2] + (out_h, out_w, kh * kw))
-    valid = valid.reshape(out_h, out_w, kh * kw)
+def _adaptive_max_pool(self, output_size, n):
+    spatial, out = self.shape[-n:], _tuple(output_size, n)
+    bins = [_adaptive_bins(size, o) for size, o in zip(spatial, out)]  # (o, K) per dim
+    # windows[..., i_1, ..., i_n, k_1, ..., k_n] = self[..., pos_1[i_1, k_1], ...]
+    positions, valid, flat = [], True, 0
+    for d, ((pos, ok), size) in enumerate(zip(bins, spatial)):
+        shape = [1] * (2 * n)
+        shape[d], shape[n + d] = pos.shape
+        positions.append(pos.reshape(shape))
+        valid = valid & ok.reshape(shape)
+        flat = flat * size + pos.reshape(shape)
+    window = math.prod(pos.shape[1] for pos, _ in bins)
+    windows = self[(Ellipsis, *positions)].reshape(self.shape[:-n] + tuple(out) + (window,))
+    valid = jnp.broadcast_to(valid, tuple(out) + flat.shape[n:]).reshape(tuple(out) + (window,))
+    flat = jnp.broadcast_to(flat, valid.shape[:n] + flat.shape[n:]).reshape(valid.shape)
     low = -jnp.inf if jnp.issubdtype(self.dtype, jnp.floating) else jnp.iinfo(self.dtype).min
     # NaN wins, as in torch; then the first of equal maxima.
     keyed = (
@@ -348,16 +353,29 @@ def adaptive_max_pool2d(self, output_size):
     )
     which = jnp.argmax(jnp.where(valid, keyed, low), axis=-1)
     values = jnp.take_along_axis(windows, which[..., None], axis=-1)[..., 0]
-    flat = (rows[:, None, :, None] * w + cols[None, :, None, :]).reshape(out_h, out_w, kh * kw)
-    indices = jnp.take_along_axis(jnp.broadcast_to(flat, windows.shape), which[..., None], axis=-1)[
-        ..., 0
-    ]
+    chosen = jnp.broadcast_to(flat, windows.shape)
+    indices = jnp.take_along_axis(chosen, which[..., None], axis=-1)[..., 0]
     return values, indices
+
+
+@lowers(aten.adaptive_max_pool2d.default)
+def adaptive_max_pool2d(self, output_size):
+    return _adaptive_max_pool(self, output_size, 2)
+
+
+@lowers(aten.adaptive_max_pool3d.default)
+def adaptive_max_pool3d(self, output_size):
+    return _adaptive_max_pool(self, output_size, 3)
 
 
 @lowers(aten.adaptive_max_pool2d_backward.default)
 def adaptive_max_pool2d_backward(grad_output, self, indices):
     return _max_pool_backward(grad_output, self, indices, 2)
+
+
+@lowers(aten.adaptive_max_pool3d_backward.default)
+def adaptive_max_pool3d_backward(grad_output, self, indices):
+    return _max_pool_backward(grad_output, self, indices, 3)
 
 
 def _adaptive_matrix(size, out, dtype):
@@ -405,6 +423,121 @@ def _adaptive_avg_pool2d_backward(grad_output, self):
 def _adaptive_avg_pool3d_backward(grad_output, self):
     _, vjp = jax.vjp(lambda x: _adaptive_avg_pool(x, grad_output.shape[-3:], 3), self)
     return vjp(grad_output)[0]
+
+
+# -- grid sampling --------------------------------------------------------------------------------
+# torch's GridSampler.h formulas, for any number of spatial axes. Modes: interpolation
+# 0 bilinear, 1 nearest, 2 bicubic (2-d only); padding 0 zeros, 1 border, 2 reflection.
+
+
+def _grid_unnormalize(coord, size, align_corners):
+    """[-1, 1] -> pixel coordinates."""
+    if align_corners:
+        return (coord + 1) / 2 * (size - 1)
+    return ((coord + 1) * size - 1) / 2
+
+
+def _grid_reflect(coord, twice_low, twice_high):
+    if twice_low == twice_high:
+        return jnp.zeros_like(coord)
+    low, span = twice_low / 2, (twice_high - twice_low) / 2
+    coord = jnp.abs(coord - low)
+    extra = jnp.fmod(coord, span)
+    flips = jnp.floor(coord / span)
+    return jnp.where(flips % 2 == 0, extra + low, span - extra + low)
+
+
+def _grid_pad(coord, size, padding_mode, align_corners):
+    """torch's compute_coordinates: where a coordinate outside the input reads."""
+    if padding_mode == 2:
+        twice = (0, 2 * (size - 1)) if align_corners else (-1, 2 * size - 1)
+        coord = _grid_reflect(coord, *twice)
+    if padding_mode in (1, 2):
+        coord = jnp.clip(coord, 0, size - 1)
+    return coord
+
+
+def _grid_read(flat, sizes, indices):
+    """flat (N, C, prod(sizes)) at integer ``indices`` (one (N, P) array per spatial
+    axis): (N, C, P), zero where an index is outside the input."""
+    inside = functools.reduce(jnp.logical_and, [(i >= 0) & (i < s) for i, s in zip(indices, sizes)])
+    linear = 0
+    for i, s in zip(indices, sizes):
+        linear = linear * s + jnp.clip(i, 0, s - 1)
+    values = jnp.take_along_axis(flat, linear[:, None, :], axis=2)
+    return jnp.where(inside[:, None, :], values, 0)
+
+
+def _cubic_weights(t):
+    """The four taps' weights at fraction t (torch's cubic convolution, A = -0.75)."""
+    a = -0.75
+
+    def near(x):
+        return ((a + 2) * x - (a + 3)) * x * x + 1
+
+    def far(x):
+        return ((a * x - 5 * a) * x + 8 * a) * x - 4 * a
+
+    return far(t + 1), near(t), near(1 - t), far(2 - t)
+
+
+def _grid_sample(input, grid, interpolation_mode, padding_mode, align_corners):
+    n = grid.shape[-1]
+    batch, channels, *sizes = input.shape
+    flat = input.reshape(batch, channels, -1)
+    # The grid lists x (the last axis) first.
+    coords = [
+        _grid_unnormalize(grid[..., n - 1 - axis].reshape(batch, -1), size, align_corners)
+        for axis, size in enumerate(sizes)
+    ]
+    if interpolation_mode == 2:
+        # Each tap is padded on its own, after the fractions are taken.
+        low = [jnp.floor(c) for c in coords]
+        weights = [_cubic_weights(c - lo) for c, lo in zip(coords, low)]
+        out = 0
+        for taps in itertools.product(range(4), repeat=n):
+            indices, weight = [], 1
+            for lo, w, size, tap in zip(low, weights, sizes, taps):
+                padded = _grid_pad(lo - 1 + tap, size, padding_mode, align_corners)
+                indices.append(padded.astype(jnp.int64))
+                weight = weight * w[tap]
+            out = out + _grid_read(flat, sizes, indices) * weight[:, None, :]
+    else:
+        coords = [_grid_pad(c, size, padding_mode, align_corners) for c, size in zip(coords, sizes)]
+        if interpolation_mode == 1:
+            # std::nearbyint: halves round to even, as jnp.round does.
+            out = _grid_read(flat, sizes, [jnp.round(c).astype(jnp.int64) for c in coords])
+        else:
+            low = [jnp.floor(c) for c in coords]
+            out = 0
+            for corner in itertools.product((0, 1), repeat=n):
+                weight = 1
+                for c, lo, bit in zip(coords, low, corner):
+                    weight = weight * ((c - lo) if bit else (lo + 1 - c))
+                indices = [(lo + bit).astype(jnp.int64) for lo, bit in zip(low, corner)]
+                out = out + _grid_read(flat, sizes, indices) * weight[:, None, :]
+    return out.reshape(batch, channels, *grid.shape[1:-1])
+
+
+@lowers(aten.grid_sampler_2d.default, aten.grid_sampler_3d.default)
+def grid_sampler(input, grid, interpolation_mode, padding_mode, align_corners):
+    compute = jnp.float32 if input.dtype in (jnp.float16, jnp.bfloat16) else input.dtype
+    out = _grid_sample(
+        input.astype(compute), grid.astype(compute), interpolation_mode, padding_mode, align_corners
+    )
+    return out.astype(input.dtype)
+
+
+@lowers(aten.grid_sampler_2d_backward.default, aten.grid_sampler_3d_backward.default)
+def grid_sampler_backward(
+    grad_output, input, grid, interpolation_mode, padding_mode, align_corners, output_mask
+):
+    _, vjp = jax.vjp(
+        lambda x, g: grid_sampler(x, g, interpolation_mode, padding_mode, align_corners),
+        input,
+        grid,
+    )
+    return vjp(grad_output)
 
 
 # -- normalisation ------------------------------------------------------------------------------
@@ -602,7 +735,8 @@ def native_layer_norm_backward(
 
 
 def _group_norm(input, weight, bias, N, C, HxW, group, eps):
-    x = _opmath(input).reshape(N, group, -1)
+    # (Sizes spelt out: an empty batch leaves nothing to infer a -1 from.)
+    x = _opmath(input).reshape(N, group, C // group * HxW)
     mean = jnp.mean(x, axis=-1)
     var = jnp.mean(jnp.square(x - mean[..., None]), axis=-1)
     rstd = lax.rsqrt(var + eps)
@@ -938,3 +1072,127 @@ def _thnn_fused_gru_cell_backward(grad_hy, workspace, has_bias):
             jnp.sum(grad_hidden_gates, 0),
         )
     return grad_input_gates, grad_hidden_gates, grad_hx, None, None
+
+
+@lowers(aten._weight_norm_interface_backward.default)
+def _weight_norm_interface_backward(grad_w, saved_v, saved_g, saved_norms, dim):
+    # w = v * g / ||v||, the norm over every dimension but `dim` (kept as size 1, as
+    # saved_g and saved_norms are). As torch's kernel: from the saved norms.
+    axes = tuple(d for d in range(saved_v.ndim) if d != dim)
+    grad_g = jnp.sum(grad_w * saved_v, axis=axes, keepdims=True) / saved_norms
+    grad_v = (saved_g / saved_norms) * (grad_w - saved_v * (grad_g / saved_norms))
+    return grad_v, grad_g.reshape(saved_g.shape)
+
+
+# -- CTC loss ------------------------------------------------------------------------------
+#
+# The forward (alpha) recursion of Graves et al. over the targets interleaved with
+# blanks, one lax.scan step per time step. log_alpha is (N, T, 2 * S + 1) with S the
+# padded target width -- torch sizes it by the longest target; only the backward
+# reads it, and ours recomputes the recursion instead.
+
+
+def _ctc_padded_targets(targets, target_lengths):
+    """(N, S) targets: as given, or cut from the concatenated 1-d form."""
+    if targets.ndim == 2:
+        return targets
+    starts = jnp.cumsum(target_lengths) - target_lengths
+    index = starts[:, None] + jnp.arange(targets.shape[0])[None, :]
+    return targets[jnp.clip(index, 0, max(targets.shape[0] - 1, 0))]
+
+
+def _log_add(a, b):
+    """log(exp(a) + exp(b)) whose gradient is 0, not NaN, where both are -inf
+    (alignments that cannot happen), as jnp.logaddexp's is not."""
+    top = jnp.maximum(a, b)
+    finite = jnp.isfinite(top)
+    shift = jnp.where(finite, top, 0)
+    total = jnp.where(finite, jnp.exp(a - shift) + jnp.exp(b - shift), 1)
+    return jnp.where(finite, shift + jnp.log(total), top)
+
+
+def _ctc_alphas(log_probs, targets, input_lengths, target_lengths, blank):
+    """The log_alpha of every step (T, N, L) and the loss (N,) of (T, N, C) log_probs."""
+    targets = _ctc_padded_targets(targets, target_lengths)
+    n, width = targets.shape
+    extended = jnp.full((n, 2 * width + 1), blank, targets.dtype).at[:, 1::2].set(targets)
+    position = jnp.arange(extended.shape[1])
+    lengths = 2 * target_lengths[:, None] + 1
+    valid = position[None, :] < lengths
+    before_previous = jnp.pad(extended, ((0, 0), (2, 0)), constant_values=blank)[:, :-2]
+    # A label may follow the previous label directly unless the two are equal.
+    can_skip = (position % 2 == 1) & (position >= 2) & (extended != before_previous)
+    emissions = jnp.take_along_axis(
+        log_probs, jnp.broadcast_to(extended, (log_probs.shape[0],) + extended.shape), axis=2
+    )
+    neg_inf = jnp.asarray(-jnp.inf, log_probs.dtype)
+    first = jnp.where(valid & (position < 2), emissions[0], neg_inf)
+
+    def step(alpha, inputs):
+        t, emission = inputs
+        stay = alpha
+        advance = jnp.pad(alpha, ((0, 0), (1, 0)), constant_values=-jnp.inf)[:, :-1]
+        skip = jnp.where(
+            can_skip, jnp.pad(alpha, ((0, 0), (2, 0)), constant_values=-jnp.inf)[:, :-2], neg_inf
+        )
+        new = _log_add(_log_add(stay, advance), skip) + emission
+        new = jnp.where(valid, new, neg_inf)
+        # Past an input's length its alphas stay those of its last step.
+        new = jnp.where((t < input_lengths)[:, None], new, alpha)
+        return new, new
+
+    steps = jnp.arange(1, log_probs.shape[0])
+    last, rest = lax.scan(step, first, (steps, emissions[1:]))
+    alphas = jnp.concatenate([first[None], rest], axis=0)
+    end = lengths - 1
+    final = jnp.take_along_axis(last, end, axis=1)[:, 0]
+    before_end = jnp.take_along_axis(last, jnp.maximum(end - 1, 0), axis=1)[:, 0]
+    before_end = jnp.where(end[:, 0] > 0, before_end, neg_inf)
+    return alphas, -_log_add(final, before_end)
+
+
+def _as_batched(log_probs):
+    return log_probs if log_probs.ndim == 3 else log_probs[:, None, :]
+
+
+@lowers(aten._ctc_loss.Tensor)
+def _ctc_loss_Tensor(
+    log_probs, targets, input_lengths, target_lengths, blank=0, zero_infinity=False
+):
+    alphas, loss = _ctc_alphas(
+        _as_batched(log_probs), targets, input_lengths, target_lengths, blank
+    )
+    if log_probs.ndim == 2:
+        loss = loss[0]
+    return loss, jnp.moveaxis(alphas, 0, 1)
+
+
+@lowers(aten._ctc_loss_backward.Tensor)
+def _ctc_loss_backward_Tensor(
+    grad,
+    log_probs,
+    targets,
+    input_lengths,
+    target_lengths,
+    neg_log_likelihood,
+    log_alpha,
+    blank,
+    zero_infinity=False,
+):
+    batched = _as_batched(log_probs)
+
+    def total_loss(lp):
+        return jnp.sum(_ctc_alphas(lp, targets, input_lengths, target_lengths, blank)[1])
+
+    # torch's kernel returns the gradient with respect to the logits under a
+    # log_softmax (exp(log_probs) - posterior), which log_softmax's backward then
+    # leaves unchanged; so does this one.
+    result = jnp.exp(batched) + jax.grad(total_loss)(batched)
+    result = result * jnp.reshape(grad, (1, -1, 1))
+    result = jnp.where(
+        jnp.arange(batched.shape[0])[:, None, None] < input_lengths[None, :, None], result, 0
+    )
+    if zero_infinity:
+        infinite = jnp.isinf(jnp.reshape(neg_log_likelihood, (-1,)))
+        result = jnp.where(infinite[None, :, None], 0, result)
+    return result.reshape(log_probs.shape)

@@ -3,8 +3,11 @@
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from torchtpu.ops.registry import aten, lowers
@@ -139,16 +142,18 @@ def upsample_nearest3d(self, output_size, scales_d=None, scales_h=None, scales_w
     return _nearest(self, output_size, (scales_d, scales_h, scales_w))
 
 
-def _nearest(self, output_size, scales):
+def _nearest(self, output_size, scales, exact=False):
+    """Nearest-neighbour upsampling; ``exact`` samples at pixel centres (torch's
+    nearest-exact) where plain nearest floors the output index times the scale."""
     x = self
     n = len(output_size)
+    offset = 0.5 if exact else 0.0
     for i in range(n):
         axis = self.ndim - n + i
         size_in, size_out = self.shape[axis], output_size[i]
         scale = (1.0 / scales[i]) if scales[i] else size_in / size_out
-        src = jnp.minimum(
-            jnp.floor(jnp.arange(size_out) * jnp.float32(scale)).astype(jnp.int64), size_in - 1
-        )
+        position = (jnp.arange(size_out, dtype=jnp.float32) + offset) * jnp.float32(scale)
+        src = jnp.minimum(jnp.floor(position).astype(jnp.int64), size_in - 1)
         x = jnp.take(x, src, axis=axis)
     return x
 
@@ -175,10 +180,30 @@ def upsample_bilinear2d(self, output_size, align_corners, scales_h=None, scales_
     return x.astype(self.dtype)
 
 
-def _nearest_backward(grad_output, output_size, input_size, scales):
+def _nearest_backward(grad_output, output_size, input_size, scales, exact=False):
     zeros = jnp.zeros(tuple(input_size), grad_output.dtype)
-    _, vjp = jax.vjp(lambda x: _nearest(x, output_size, scales), zeros)
+    _, vjp = jax.vjp(lambda x: _nearest(x, output_size, scales, exact), zeros)
     return vjp(grad_output)[0]
+
+
+@lowers(aten._upsample_nearest_exact1d_backward.default)
+def _upsample_nearest_exact1d_backward(grad_output, output_size, input_size, scales=None):
+    return _nearest_backward(grad_output, output_size, input_size, (scales,), exact=True)
+
+
+@lowers(aten._upsample_nearest_exact2d_backward.default)
+def _upsample_nearest_exact2d_backward(
+    grad_output, output_size, input_size, scales_h=None, scales_w=None
+):
+    return _nearest_backward(grad_output, output_size, input_size, (scales_h, scales_w), True)
+
+
+@lowers(aten._upsample_nearest_exact3d_backward.default)
+def _upsample_nearest_exact3d_backward(
+    grad_output, output_size, input_size, scales_d=None, scales_h=None, scales_w=None
+):
+    scales = (scales_d, scales_h, scales_w)
+    return _nearest_backward(grad_output, output_size, input_size, scales, exact=True)
 
 
 @lowers(aten.upsample_nearest1d_backward.default)
@@ -205,6 +230,68 @@ def upsample_bilinear2d_backward(
     zeros = jnp.zeros(tuple(input_size), grad_output.dtype)
     _, vjp = jax.vjp(
         lambda x: upsample_bilinear2d(x, output_size, align_corners, scales_h, scales_w), zeros
+    )
+    return vjp(grad_output)[0]
+
+
+def _antialias_weights(size_in, size_out, align_corners, scale, real):
+    """The (size_out, size_in) matrix of torch's anti-aliased linear interpolation along
+    one axis (UpSampleKernel.cpp's _compute_indices_min_size_weights_aa): a triangle
+    filter widened by the scale when downsampling, normalised to sum to one per output.
+    Sizes are static, so the matrix is a constant of the compiled function.
+
+    The kernel computes in the opmath type ``real`` (float32 for float32 tensors), with
+    some steps promoted to double by C++'s rules; each ``real(...)`` below is one of its
+    roundings, so the weights match the kernel's and so do values near zero."""
+    if align_corners:
+        ratio = real(real(size_in) - 1) / real(size_out - 1) if size_out > 1 else real(0)
+    elif scale is not None and scale > 0:
+        ratio = real(1.0 / scale)
+    else:
+        ratio = real(size_in) / real(size_out)
+    support = real(1.0 * float(ratio)) if ratio >= 1.0 else real(1.0)  # 2 taps * 0.5
+    max_taps = int(math.ceil(support)) * 2 + 1
+    invscale = real(1.0 / float(ratio)) if ratio >= 1.0 else real(1.0)
+    weights = np.zeros((size_out, size_in), real)
+    for i in range(size_out):
+        center = real(float(ratio) * (i + 0.5))
+        # int() truncates toward zero like the kernel's static_cast.
+        start = max(int(float(center - support) + 0.5), 0)
+        taps = min(max(min(int(float(center + support) + 0.5), size_in) - start, 0), max_taps)
+        total = real(0)
+        for j in range(taps):
+            x = real((float(real(j + start) - center) + 0.5) * float(invscale))
+            w = real(1.0 - abs(float(x))) if abs(x) < 1.0 else real(0)
+            weights[i, start + j] = w
+            total = real(total + w)
+        if total != 0.0:
+            weights[i, start : start + taps] /= total
+    return weights
+
+
+@lowers(aten._upsample_bilinear2d_aa.default)
+def _upsample_bilinear2d_aa(self, output_size, align_corners, scales_h=None, scales_w=None):
+    if not jnp.issubdtype(self.dtype, jnp.floating):
+        # torch's uint8 kernel rounds fixed-point weights: not reproduced here.
+        raise NotImplementedError(f"_upsample_bilinear2d_aa of {self.dtype} on tpu")
+    compute = jnp.float32 if self.dtype in (jnp.float16, jnp.bfloat16) else self.dtype
+    h_in, w_in = self.shape[-2:]
+    real = np.float64 if compute == jnp.float64 else np.float32
+    rows = jnp.asarray(_antialias_weights(h_in, output_size[0], align_corners, scales_h, real))
+    cols = jnp.asarray(_antialias_weights(w_in, output_size[1], align_corners, scales_w, real))
+    out = jnp.einsum(
+        "...hw,Hh,Ww->...HW", self.astype(compute), rows, cols, precision=lax.Precision.HIGHEST
+    )
+    return out.astype(self.dtype)
+
+
+@lowers(aten._upsample_bilinear2d_aa_backward.default)
+def _upsample_bilinear2d_aa_backward(
+    grad_output, output_size, input_size, align_corners, scales_h=None, scales_w=None
+):
+    zeros = jnp.zeros(tuple(input_size), grad_output.dtype)
+    _, vjp = jax.vjp(
+        lambda x: _upsample_bilinear2d_aa(x, output_size, align_corners, scales_h, scales_w), zeros
     )
     return vjp(grad_output)[0]
 
