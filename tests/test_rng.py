@@ -63,3 +63,12 @@ def test_dropout_in_eval_mode_is_identity(mode):
     assert torch.equal(F.dropout(x, 0.5, training=False).cpu(), x.cpu())
     layer = torch.nn.Dropout(0.5).to("tpu").eval()
     assert torch.equal(layer(x).cpu(), x.cpu())
+
+
+def test_seed_picks_a_new_random_seed_as_torch_cuda_seed_does():
+    torch.tpu.seed()
+    first = torch.tpu.initial_seed()
+    torch.tpu.seed()
+    assert torch.tpu.initial_seed() != first
+    torch.tpu.seed_all()
+    assert torch.tpu.initial_seed() != first

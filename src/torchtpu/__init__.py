@@ -39,6 +39,7 @@ __all__ = [
     "TPUTensor",
     "config",
     "explain",
+    "jit",
     "metrics",
     "metrics_report",
     "precision",
@@ -49,6 +50,20 @@ __all__ = [
 ]
 
 device.register()
+
+# torch.compile(backend="tpu") finds the backend through its entry point; if Dynamo is
+# already loaded (importing it costs seconds, so it is never imported here), register
+# it now as well.
+if "torch._dynamo" in sys.modules:
+    import torchtpu.compile.backend  # noqa: F401
+
+
+def jit(fn=None, *, static_argnums=()):
+    """Compile a training step (forward, ``backward()``, optimizer ``step()``) or any
+    function of tpu tensors into ONE XLA program. See torchtpu/compile/jit.py."""
+    from torchtpu.compile.jit import jit as _jit
+
+    return _jit(fn, static_argnums=static_argnums)
 
 
 def to_tpu(obj, device: str | int | torch.device = "tpu"):

@@ -11,7 +11,7 @@ be read.
 
 from __future__ import annotations
 
-from torchtpu import config
+from torchtpu import config, tracing
 
 # Checks stated while the dispatcher traces a lowering: a stack of lists.
 _collecting: list[list] = []
@@ -48,7 +48,16 @@ class collect:
 
 
 def defer(flags, infos, where: str) -> None:
-    """Keep checks of an op that ran; ``infos`` are (exc_type, message) per flag."""
+    """Keep checks of an op that ran; ``infos`` are (exc_type, message) per flag.
+
+    Inside a trace the flags are tracers: they become outputs of the program.
+    """
+    if tracing._active is not None:
+        tracing._active.checks.extend(
+            (flag, exc_type, f"{message} ({where})")
+            for flag, (exc_type, message) in zip(flags, infos)
+        )
+        return
     for flag, (exc_type, message) in zip(flags, infos):
         _pending.append((flag, exc_type, f"{message} ({where})"))
     if len(_pending) >= config.max_pending_checks:

@@ -205,9 +205,7 @@ def flush(reason: str) -> None:
         pending.value = value
     for flag, (position, k) in zip(flags, chunk.flag_owners):
         node = q.nodes[position]
-        checks.defer(
-            [flag], [node.plan.check_infos[k]], f"raised by {node.plan.op} called from {node.where}"
-        )
+        checks.defer([flag], [node.plan.check_infos[k]], f"called from {node.where}")
 
 
 def _describe_change(old, new) -> str:

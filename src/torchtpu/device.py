@@ -9,6 +9,7 @@ This module *is* ``torch.tpu``: the cuda-like device module.
 
 from __future__ import annotations
 
+import os
 import sys
 import types
 
@@ -132,11 +133,17 @@ def manual_seed_all(seed) -> None:
 
 
 def seed() -> None:
-    manual_seed(torch.initial_seed())
+    """Seed the current device with a non-deterministic random number (as torch.cuda.seed)."""
+    manual_seed(_random_seed())
 
 
 def seed_all() -> None:
-    manual_seed_all(torch.initial_seed())
+    """Seed every device with one non-deterministic random number."""
+    manual_seed_all(_random_seed())
+
+
+def _random_seed() -> int:
+    return int.from_bytes(os.urandom(8), "little")
 
 
 def initial_seed() -> int:

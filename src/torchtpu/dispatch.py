@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from torchtpu import counters, modes, plans, schema
+from torchtpu import backward_errors, counters, modes, plans, schema
 from torchtpu.errors import name_op
 from torchtpu.fallback import run_on_cpu
 from torchtpu.ops import TABLE
@@ -32,7 +32,16 @@ aten = torch.ops.aten
 _HANDLERS: dict = {}
 
 
+# Callables shown every op's (args, kwargs) before it runs: torchtpu.jit's watchers
+# of which storages a step touches (compile/jit.py). Almost always empty.
+watchers: list = []
+
+
 def dispatch(func, args, kwargs):
+    if backward_errors._raised and not backward_errors.in_backward():
+        backward_errors.raise_deferred()
+    for watch in watchers:
+        watch(args, kwargs)
     handler = _HANDLERS.get(func)
     if handler is None:
         handler = _HANDLERS[func] = _choose(func)
@@ -42,7 +51,13 @@ def dispatch(func, args, kwargs):
             handler = _HANDLERS[func] = _empty_stats_in_eval(handler, func)
         if func in _FACTORS_BY_LAYOUT:
             handler = _HANDLERS[func] = _factor_as_laid_out(handler)
-    return handler(func, args, kwargs)
+    try:
+        return handler(func, args, kwargs)
+    except Exception as exc:
+        if not backward_errors.in_backward():
+            raise
+        # Note [Why backward errors are deferred]
+        return backward_errors.poisoned(func, args, kwargs, exc)
 
 
 # Ops whose LU output is that of A^T for a contiguous real A and that of A otherwise
@@ -228,7 +243,7 @@ def _view_handler(info, lowering):
         key = (op, x._meta, static)
         views = _VIEW_PLANS.get(key)
         if views is None:
-            views = _VIEW_PLANS[key] = _plan_view(op, info, x, values, static)
+            views = _VIEW_PLANS[key] = _plan_view(op, info, x, values, plans._plain(static))
         outs = [_make_view(x, *view) for view in views]
         return outs if info.returns[0].is_list else outs[0]
 

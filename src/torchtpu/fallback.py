@@ -14,7 +14,7 @@ import warnings
 import torch
 from torch.utils._pytree import tree_map
 
-from torchtpu import config, counters
+from torchtpu import config, counters, tracing
 from torchtpu.errors import user_frame, user_stacklevel
 
 
@@ -31,6 +31,8 @@ def run_on_cpu(func, args, kwargs):
     from torchtpu.tensor import TPUTensor
     from torchtpu.transfer import to_host
 
+    if tracing._active is not None:
+        tracing.refuse("it has no tpu lowering, so it would run on the CPU", func)
     if not config.cpu_fallback:
         raise NotImplementedError(
             f"torchtpu: {func} has no tpu lowering and the CPU fallback is off "

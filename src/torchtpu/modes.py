@@ -108,5 +108,8 @@ class set_eager_mode:
     def __enter__(self) -> set_eager_mode:
         return self
 
+    def __repr__(self) -> str:  # a notebook cell that ends with the call shows this
+        return f"set_eager_mode({current().value!r})"
+
     def __exit__(self, *exc) -> None:
         set_current(self._previous)

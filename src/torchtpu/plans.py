@@ -32,7 +32,7 @@ from typing import NamedTuple
 import torch
 from torch._prims_common import elementwise_dtypes
 
-from torchtpu import checks, config, counters, defer, dtypes, perf_warnings, rng, storage
+from torchtpu import checks, config, counters, defer, dtypes, perf_warnings, rng, storage, tracing
 from torchtpu import matmul_precision as _precision
 from torchtpu.defer import Pending
 from torchtpu.errors import add_context, name_op, user_frame
@@ -130,6 +130,8 @@ class Signature:
             if t.dim() == 0 and t.device.type == "cpu":
                 # torch lets a 0-d CPU tensor join ops on any device, as a scalar.
                 self.scalars.append(t.item())
+                if tracing._active is not None:  # a constant of the program: guarded
+                    tracing._active.cpu_scalars.append(t)
                 return ("c", t.dtype)
             where = "tpu" if self.device is None else f"tpu:{self.device}"
             raise RuntimeError(
@@ -139,7 +141,21 @@ class Signature:
         raise TypeError(f"{op}: expected a Tensor, got {type(t).__name__}")
 
 
+class _Number(NamedTuple):
+    """A static number in a plan key: 4 and 4.0 (and 1 and True) are equal and hash
+    alike in Python, but are different constants to torch (``arange(4)`` is int64,
+    ``arange(4.0)`` float32)."""
+
+    type: type
+    value: object
+
+    def __repr__(self) -> str:
+        return repr(self.value)
+
+
 def _hashable(value):
+    if type(value) in (int, float, bool, complex):
+        return _Number(type(value), value)
     if isinstance(value, torch.dtype) and value not in dtypes.SUPPORTED:
         dtypes.check_supported(value, "result")
     if isinstance(value, list):
@@ -150,6 +166,15 @@ def _hashable(value):
         raise RuntimeError(
             f"Expected a 'tpu' device type for generator but found '{value.device.type}'"
         )
+    return value
+
+
+def _plain(value):
+    """A static value from a plan key as the lowering takes it (undoing `_Number`)."""
+    if type(value) is _Number:
+        return value.value
+    if type(value) is tuple:
+        return tuple(_plain(v) for v in value)
     return value
 
 
@@ -177,7 +202,9 @@ class Plan:
         args.extend(sig.scalars)
         if self.random:
             args.extend(rng.take(device))
-        if not self.compiled:
+        if tracing._active is not None:
+            flat = self._call(args, device)  # traced into the program: compiles nothing
+        elif not self.compiled:
             start = time.perf_counter()
             flat = self._call(args, device)
             self.compiled = True
@@ -191,14 +218,11 @@ class Plan:
         n_written = len(self.written_slots)
         if self.check_infos:
             flags = flat[n_out + n_written :]
+            where = f"called from {user_frame()}"
             if debug:
-                checks.raise_now(flags, self.check_infos, f"raised by {self.op}")
+                checks.raise_now(flags, self.check_infos, where)
             else:
-                from torchtpu.errors import user_frame
-
-                checks.defer(
-                    flags, self.check_infos, f"raised by {self.op} called from {user_frame()}"
-                )
+                checks.defer(flags, self.check_infos, where)
         return flat[:n_out], flat[n_out : n_out + n_written]
 
     def record(self, sig: Signature, device: int):
@@ -264,7 +288,8 @@ def run(op, lowering, info: SchemaInfo, values: list, mode: EagerMode):
         plan = _build(op, lowering, info, sig)
         plan.key = key
         _PLANS.insert(key, plan)
-        if mode is not EagerMode.DEFER_AND_FUSE:  # (in DeferAndFuse, chunks compile)
+        # In DeferAndFuse chunks compile, and in a trace the program does.
+        if mode is not EagerMode.DEFER_AND_FUSE and tracing._active is None:
             where = user_frame()
             counters.event("compile", op=str(op), where=where)
             perf_warnings.note_compile(
@@ -321,6 +346,8 @@ def _describe_spec(spec) -> str:
 def _run_dynamic(op, lowering, info: SchemaInfo, values: list):
     """An op whose output shape depends on values (``nonzero``): it runs op by op on
     concrete arrays, outside ``jax.jit``."""
+    if tracing._active is not None:
+        tracing.refuse("its output shape depends on the input values", op)
     sig = Signature(info, values, frozenset(a.name for a in info.args))
 
     def concrete(value):
@@ -539,9 +566,14 @@ _WRITES_EXPANDED = frozenset(
 )
 
 
+# Ops whose meta kernel checks what only the CUDA kernel requires (``_grouped_mm``:
+# bfloat16 inputs) while the CPU kernel, our reference, takes any float: JAX sizes them.
+_CUDA_ONLY_META = frozenset({torch.ops.aten._grouped_mm.default})
+
+
 def _build(op, lowering, info: SchemaInfo, sig: Signature) -> Plan:
     margs = meta_values(info, sig)
-    needs_meta = all(r.is_tensor for r in info.returns)
+    needs_meta = all(r.is_tensor for r in info.returns) and op not in _CUDA_ONLY_META
     meta_out = _run_meta(op, info, margs) if needs_meta else None
 
     # Targets of the lowering's outputs (Note [Plan outputs]): ("new", position) for a
@@ -658,7 +690,7 @@ def _build(op, lowering, info: SchemaInfo, sig: Signature) -> Plan:
             elif tag == "sl":
                 return [next(scalars) for _ in spec[1]]
             else:
-                return spec[1]
+                return _plain(spec[1])
             if promote_to is not None and name in promoting_set:
                 v = cast(v, dtypes.to_jax(promote_to))
             elif result_dtype is not None and name in lowering.compute_in_result:
@@ -673,7 +705,11 @@ def _build(op, lowering, info: SchemaInfo, sig: Signature) -> Plan:
             extra["precision"] = precision
         with checks.collect() as collected:
             result = lowering.fn(*values, **extra)
-        plan.check_infos = [(exc_type, message) for _, exc_type, message in collected]
+        # The message names the op once; where it ran is added when it is raised.
+        plan.check_infos = [
+            (exc_type, message if message.startswith(f"{op}:") else f"{op}: {message}")
+            for _, exc_type, message in collected
+        ]
         produced = _flatten_result(result)
         if len(produced) != len(targets):
             raise RuntimeError(

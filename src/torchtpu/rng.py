@@ -13,6 +13,8 @@ import struct
 
 import torch
 
+from torchtpu import tracing
+
 # CUDA's default seed, so an unseeded run is reproducible as it is on a GPU.
 DEFAULT_SEED = 67280421310721
 _MAX_SEED = 0xFFFF_FFFF_FFFF_FFFF
@@ -63,13 +65,28 @@ def initial_seed(index: int) -> int:
 
 
 def take(index: int) -> tuple[int, int]:
-    """The (seed, offset) for the next random op on ``tpu:index``; advances the offset."""
+    """The (seed, offset) for the next random op on ``tpu:index``; advances the offset.
+
+    Inside a trace they are the program's traced inputs instead (tracing.py).
+    """
+    if tracing._active is not None:
+        return tracing._active.draw()
+    drawn = peek(index)
+    advance(index, 1)
+    return drawn
+
+
+def peek(index: int) -> tuple[int, int]:
+    """The (seed, offset) the next random op on ``tpu:index`` will draw from."""
     state = _state(index)
-    offset = state.offset
-    state.offset = offset + 1
     # As int64: JIT arguments are signed; the key only needs the bits.
     seed = state.seed - (1 << 64) if state.seed >= 1 << 63 else state.seed
-    return seed, offset
+    return seed, state.offset
+
+
+def advance(index: int, n: int) -> None:
+    """Move past ``n`` draws (a compiled program's random ops, after it ran)."""
+    _state(index).offset += n
 
 
 def key(seed, offset):

@@ -23,9 +23,12 @@ See Note [Storage strides] for ``as_strided``.
 
 from __future__ import annotations
 
+import weakref
 from typing import NamedTuple
 
 import torch
+
+from torchtpu import tracing
 
 
 class ViewStep(NamedTuple):
@@ -66,6 +69,8 @@ class Storage:
         self.dtype = dtype
         self.device_index = device_index
         self.version = 0
+        if tracing._active is not None:
+            tracing._active.created.append(weakref.ref(self))
 
     def set(self, array) -> None:
         """Replace the base array (after a write)."""

@@ -45,6 +45,9 @@ class TPUTensor(torch.Tensor):
     # (shape, strides, storage_offset, dtype, chain): what a compiled op needs to know
     # about this argument besides its base array. Hashable; part of cache keys.
     _meta: tuple
+    # A traced wrapper's fake or functional inner tensor while torch.compile traces
+    # (handles.py); None for every tensor that holds data.
+    _inner: torch.Tensor | None = None
 
     @staticmethod
     def __new__(
@@ -80,7 +83,28 @@ class TPUTensor(torch.Tensor):
         global _dispatch
         if _dispatch is None:
             from torchtpu.dispatch import dispatch as _dispatch
+        if _tracing_seen and _any_traced(args, kwargs):
+            from torchtpu.handles import dispatch_traced
+
+            return dispatch_traced(func, args, kwargs or {})
         return _dispatch(func, args, kwargs or {})
+
+    # -- torch.compile: a traceable wrapper subclass of one handle (handles.py) ----------
+
+    def __tensor_flatten__(self):
+        return ["_handle"], None
+
+    @staticmethod
+    def __tensor_unflatten__(inner_tensors, ctx, outer_size, outer_stride):
+        from torchtpu.handles import unflatten
+
+        return unflatten(inner_tensors["_handle"], outer_size, outer_stride)
+
+    @property
+    def _handle(self):
+        from torchtpu.handles import handle_of
+
+        return handle_of(self)
 
     # ``t.data = new`` swaps torch's metadata in C++; the data must follow. (nn.Module
     # conversions such as ``model.half()`` assign ``param.data`` this way.)
@@ -120,12 +144,14 @@ class TPUTensor(torch.Tensor):
         return object.__format__(self, format_spec)
 
     def __repr__(self, *, tensor_contents=None) -> str:
+        if self._inner is not None:  # traced by torch.compile: it has no values
+            return f"TPUTensor(traced={self._inner!r})"
         return _repr(self)
 
     # -- copying and pickling -----------------------------------------------------------
 
     # The attributes that say where the data is; everything else in __dict__ is copied as is.
-    _DATA_FIELDS = frozenset(("_storage", "_chain", "_meta"))
+    _DATA_FIELDS = frozenset(("_storage", "_chain", "_meta", "_handle_cache"))
 
     def __deepcopy__(self, memo):
         # torch's default would copy a wrapper subclass through its (empty, fake) storage
@@ -173,6 +199,21 @@ class TPUTensor(torch.Tensor):
         if getattr(self, "_is_param", False):
             return (torch._utils._rebuild_parameter, (_Reduced(rebuilt), self.requires_grad, {}))
         return rebuilt
+
+
+# Whether a traced wrapper was ever made: until then no op needs to look for one.
+_tracing_seen = False
+
+
+def _any_traced(args, kwargs) -> bool:
+    for a in args:
+        if type(a) is TPUTensor:
+            if a._inner is not None:
+                return True
+        elif type(a) in (list, tuple):
+            if any(type(x) is TPUTensor and x._inner is not None for x in a):
+                return True
+    return bool(kwargs) and _any_traced(tuple(kwargs.values()), None)
 
 
 def empty_tensor(shape, strides, dtype: torch.dtype, device: int) -> TPUTensor:

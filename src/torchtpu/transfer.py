@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from torchtpu import checks, counters, perf_warnings
+from torchtpu import checks, counters, perf_warnings, tracing
 from torchtpu.runtime import device, jax
 
 
@@ -33,6 +33,8 @@ def to_device(cpu_tensor: torch.Tensor, index: int):
 
 def to_host(array) -> torch.Tensor:
     """A CPU tensor holding a copy of ``array``'s values (waits for them)."""
+    if tracing._active is not None and isinstance(array, jax().core.Tracer):
+        tracing.refuse("reading a tensor's values (.item(), .cpu(), print, bool(), ...)")
     checks.raise_pending()
     perf_warnings.note_read()
     jx = jax()

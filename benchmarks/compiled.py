@@ -1,0 +1,79 @@
+"""The compiled paths side by side with the eager modes and pure JAX.
+
+    python benchmarks/compiled.py            # medians of several runs
+    python benchmarks/compiled.py --quick    # fewer, shorter runs
+
+Workloads: the MLP training step (512->1024->10, SGD) at batch 64 and 1024 and the
+small transformer training step (benchmarks/eager_modes.py). Columns: Strict and
+DeferAndFuse eager; ``torch.compile(model, backend="tpu")`` (forward and backward are
+XLA programs, the optimizer runs eagerly); ``torchtpu.jit`` (the whole step is one
+program); the same step written in JAX under one ``jax.jit`` (the floor). Every step
+ends by reading the loss (``.item()``), as a training loop that logs does. Then the
+first call of each compiled path: tracing and compiling its programs.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import torch  # noqa: E402
+
+from benchmarks.eager_modes import (  # noqa: E402
+    _us,
+    jax_mlp_step_fn,
+    jax_transformer_step_fn,
+    mlp_step_fn,
+    timeit,
+    transformer_step_fn,
+)
+
+WORKLOADS = {
+    "MLP SGD step, batch 64": (
+        lambda how: mlp_step_fn("tpu", 64, how),
+        lambda: jax_mlp_step_fn(64),
+    ),
+    "MLP SGD step, batch 1024": (
+        lambda how: mlp_step_fn("tpu", 1024, how),
+        lambda: jax_mlp_step_fn(1024),
+    ),
+    "transformer step": (lambda how: transformer_step_fn("tpu", how=how), jax_transformer_step_fn),
+}
+
+
+def main():
+    print(f"torch {torch.__version__}, jax {jax.__version__}, backend {jax.default_backend()}\n")
+    print(
+        "| workload | Strict | Defer | torch.compile | torchtpu.jit | jax.jit "
+        "| compile/jax | jit/jax | first call: compile | first call: jit |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for name, (make_step, make_jax_step) in WORKLOADS.items():
+        times, first = {}, {}
+        for label, mode in (("Strict", "strict"), ("Defer", "defer")):
+            with torch.tpu.set_eager_mode(mode):
+                times[label] = timeit(make_step("eager"))
+        for how in ("compile", "jit"):
+            torch._dynamo.reset()
+            step = make_step(how)
+            start = time.perf_counter()
+            step()
+            if how == "jit":
+                step()  # torchtpu.jit runs its first call eagerly and traces on the second
+            first[how] = time.perf_counter() - start
+            times[how] = timeit(step)
+        floor = timeit(make_jax_step())
+        print(
+            f"| {name} | {_us(times['Strict'])} | {_us(times['Defer'])} | {_us(times['compile'])} "
+            f"| {_us(times['jit'])} | {_us(floor)} | {times['compile'] / floor:.2f}x "
+            f"| {times['jit'] / floor:.2f}x | {first['compile']:.1f} s | {first['jit']:.1f} s |",
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,138 @@
+"""``torch.compile(model, backend="tpu")``: Dynamo graphs as jitted XLA programs.
+
+1. Dynamo captures the model on TPUTensors, which it treats as tensors because they
+   are traceable wrapper subclasses of a storage-less *handle* (handles.py).
+2. AOTAutograd (with core ATen decompositions, minus the ops our table lowers
+   directly) splits the graph into a forward and a backward graph of aten ops on
+   handles, with functionalized mutations.
+3. Each graph becomes a `Program`: the graph runs through the eager dispatcher on
+   TPUTensors holding JAX tracers (tracing.py), inside one ``jax.jit``. So compiled
+   and eager code share every lowering, view rule and promotion rule.
+
+Shapes: each distinct input shape gets its own XLA program (counted in
+``torchtpu.metrics()["compiles"]["graph"]``). Dynamo's own recompiles work as usual;
+with ``dynamic=True`` (or Dynamo's automatic dynamic shapes) the graph's size inputs
+are concrete ints at run time and pick the program, so a new shape compiles once and
+is then cached.
+
+The backend is registered under the name "tpu" through the ``torch_dynamo_backends``
+entry point (Dynamo finds it by name without importing torchtpu first) and when this
+module is imported.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch._dynamo import trace_rules as _trace_rules
+from torch._dynamo.backends import registry as _registry
+from torch._dynamo.backends.common import aot_autograd
+from torch._dynamo.backends.registry import register_backend
+
+from torchtpu import backward_errors, handles
+from torchtpu.compile.program import Program, tensor_of
+from torchtpu.plans import materialize
+from torchtpu.tensor import TPUTensor
+
+
+@functools.cache
+def _decompositions() -> dict:
+    """Core ATen decompositions, except for ops with a lowering of their own (which
+    XLA compiles at least as well as their decomposition)."""
+    from torch._decomp import core_aten_decompositions
+
+    from torchtpu.ops import TABLE
+
+    return {op: fn for op, fn in core_aten_decompositions().items() if op not in TABLE}
+
+
+def _graph_program(gm: torch.fx.GraphModule) -> Program:
+    """The graph run through the eager dispatcher, as a Program (program.py)."""
+
+    def trace_graph(static, arrays):
+        tracers = iter(arrays)
+        inputs = [
+            tensor_of(next(tracers), spec) if isinstance(spec, torch.dtype) else spec
+            for spec in static
+        ]
+        results = gm(*inputs)
+        arrays_out, layout = [], []
+        for r in results:
+            if isinstance(r, TPUTensor):
+                arrays_out.append(materialize(r))
+                layout.append(r.dtype)
+            else:
+                layout.append(r)  # None, or an int (a size the backward needs)
+        return arrays_out, tuple(layout)
+
+    return Program(trace_graph, "graph")
+
+
+def _compile_graph(gm: torch.fx.GraphModule, example_inputs):
+    """AOTAutograd's forward/backward compiler: a boxed function of handles."""
+    program = _graph_program(gm)
+
+    def run(args: list):
+        static, arrays = [], []
+        for a in args:
+            if handles.is_handle(a):
+                static.append(a.dtype)
+                arrays.append(handles.array_of(a))
+            elif isinstance(a, torch.Tensor):
+                raise RuntimeError(
+                    f"torch.compile(backend='tpu'): a graph input is a {a.device} tensor "
+                    f"of shape {tuple(a.shape)}; every tensor in a compiled region must be "
+                    "on the tpu device"
+                )
+            else:
+                static.append(a)  # a size (SymInt at trace time): part of the signature
+        args.clear()  # boxed calling convention: let the inputs be freed early
+        try:
+            outputs, layout = program(tuple(static), arrays)
+        except Exception as exc:
+            if not backward_errors.in_backward():
+                raise
+            # Note [Why backward errors are deferred]
+            return backward_errors.poisoned_handles(exc, _output_values(gm))
+        results, arrays_out = [], iter(outputs)
+        for spec in layout:
+            results.append(
+                handles.make_handle(next(arrays_out), spec)
+                if isinstance(spec, torch.dtype)
+                else spec
+            )
+        return results
+
+    run._boxed_call = True
+    return run
+
+
+def _output_values(gm: torch.fx.GraphModule) -> list:
+    """The graph's outputs as traced (fake tensors, ints or None)."""
+    (output,) = [n for n in gm.graph.nodes if n.op == "output"]
+    return [n.meta.get("val") if isinstance(n, torch.fx.Node) else n for n in output.args[0]]
+
+
+_aot_backend = aot_autograd(
+    fw_compiler=_compile_graph,
+    bw_compiler=_compile_graph,
+    decompositions=_decompositions(),
+)
+
+
+def tpu_backend(gm: torch.fx.GraphModule, example_inputs, **options):
+    """The Dynamo backend: ``torch.compile(model, backend="tpu")``."""
+    if options:
+        raise TypeError(f"torch.compile(backend='tpu') takes no options, got {sorted(options)}")
+    return _aot_backend(gm, example_inputs)
+
+
+# Dynamo must never trace torchtpu's own code (the dispatcher behind a graph break,
+# ``.item()``): it runs as it is, like torch's C++ kernels.
+_trace_rules.add("torchtpu")
+
+# Found through the entry point, Dynamo registers it itself once this module loads
+# (and would refuse a second registration); imported directly, it registers here.
+if "tpu" not in _registry._BACKENDS:
+    register_backend(tpu_backend, name="tpu")

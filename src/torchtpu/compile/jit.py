@@ -1,0 +1,355 @@
+"""``torchtpu.jit(step_fn)``: a whole training step as ONE XLA program.
+
+No Dynamo: the step's own eager code is the tracer. ``step_fn`` runs once on
+TPUTensors whose storages hold JAX tracers inside ``jax.jit`` (tracing.py), so its
+forward, loss, ``backward()``, optimizer ``step()`` and ``zero_grad()`` all become one
+program. Later calls replay that program on the current arrays without running
+Python.
+
+The program's inputs and outputs are *storages*, not Python objects:
+
+- **State**: the storages the step touches that outlive it (parameters, gradients,
+  optimizer state). The first call runs eagerly and watches which storages its ops
+  touch (`_Watch`); those still alive afterwards, other than the results', are the
+  state. It also creates the optimizer state, so its structure is stable from then on.
+  A traced call that touches a storage outside the state adds it and traces again.
+- **Arguments**: tensors, and Python numbers, which the step receives as 0-d tpu
+  tensors (as ``jax.jit`` traces numbers), so a new value never recompiles.
+  ``static_argnums`` keeps an argument a Python value (part of the program's key).
+- **Outputs**: the state storages the step rebinds, the storages it creates that
+  outlive it (new ``.grad`` tensors: Python never reruns, so the objects made while
+  tracing keep receiving each run's values), and the step's results.
+
+What the trace takes as constants is guarded, and a change traces a new variant
+(with a recompile warning after ``TORCHTPU_RECOMPILE_WARN_AFTER``): the optimizers'
+hyperparameters (a scheduler's new ``lr``) and 0-d CPU tensors the step reads as
+numbers.
+
+Optimizers: torch.optim keeps Adam's step counter on the CPU and reads it with
+``.item()``, which a program cannot do; after the first call, optimizers that have a
+``capturable`` option switch to it and their step counters move to the tpu device,
+as torch does for CUDA graphs. The update is the same math, with the bias corrections
+computed in float32 on the device instead of in Python floats (last-digit differences).
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+
+import torch
+import torch.utils._pytree as pytree
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from torchtpu import dispatch, perf_warnings, tracing
+from torchtpu.compile.program import Program, tensor_of
+from torchtpu.errors import user_frame
+from torchtpu.plans import materialize
+from torchtpu.runtime import jax
+from torchtpu.tensor import TPUTensor
+
+
+def jit(fn=None, *, static_argnums: tuple[int, ...] = ()):
+    """Compile ``fn`` (a training step, or any function of tpu tensors) into one XLA
+    program; usable as ``@torchtpu.jit`` or ``@torchtpu.jit(static_argnums=(2,))``."""
+    if fn is None:
+        return functools.partial(jit, static_argnums=static_argnums)
+    return StepFunction(fn, tuple(static_argnums))
+
+
+class _Rediscover(Exception):
+    """Raised out of a trace that touched state it was not given."""
+
+
+# Traces in a row that may find new state before torchtpu.jit gives up.
+_MAX_REDISCOVERIES = 4
+
+
+class _Watch:
+    """Collects the storages of the TPUTensors every op touches (a dispatch watcher)."""
+
+    def __init__(self):
+        self.storages: dict[int, object] = {}
+
+    def __call__(self, args, kwargs) -> None:
+        for leaf in pytree.tree_leaves((args, kwargs)):
+            if type(leaf) is TPUTensor and leaf._inner is None:
+                self.storages.setdefault(id(leaf._storage), leaf._storage)
+
+    def __enter__(self):
+        dispatch.watchers.append(self)
+        return self
+
+    def __exit__(self, *exc):
+        dispatch.watchers.remove(self)
+
+
+class _Optimizers:
+    """The torch.optim optimizers that step inside a block (a global step pre-hook)."""
+
+    def __enter__(self):
+        self.found: dict[int, torch.optim.Optimizer] = {}
+        self._hook = register_optimizer_step_pre_hook(
+            lambda opt, args, kwargs: self.found.setdefault(id(opt), opt) and None
+        )
+        return self
+
+    def __exit__(self, *exc):
+        self._hook.remove()
+
+
+def _make_capturable(opt: torch.optim.Optimizer) -> None:
+    """Switch an optimizer to its capturable form: step counters on its params' device."""
+    for group in opt.param_groups:
+        if group.get("capturable") is False:
+            group["capturable"] = True
+            for p in group["params"]:
+                for name, value in opt.state.get(p, {}).items():
+                    if isinstance(value, torch.Tensor) and value.device.type == "cpu":
+                        opt.state[p][name] = value.to(p.device)
+
+
+def _hyperparameters(opt: torch.optim.Optimizer) -> tuple:
+    """The values a trace bakes into the program from ``opt.param_groups``."""
+    return tuple(
+        tuple(
+            (k, v.item() if isinstance(v, torch.Tensor) and v.device.type == "cpu" else v)
+            for k, v in group.items()
+            if k != "params" and not (isinstance(v, torch.Tensor) and v.device.type != "cpu")
+        )
+        for group in opt.param_groups
+    )
+
+
+class _Variant:
+    """One traced program and the constants it assumed."""
+
+    def __init__(self, program: Program):
+        self.program = program
+        self.optimizers: list = []  # (weakref to optimizer, hyperparameters)
+        self.cpu_scalars: list = []  # (weakref to a 0-d CPU tensor, its version)
+        self.layout = None  # set by the trace
+
+    def holds(self) -> bool:
+        for ref, values in self.optimizers:
+            opt = ref()
+            if opt is None or _hyperparameters(opt) != values:
+                return False
+        # A CPU scalar that died with the trace was a temporary; a live one must be
+        # unchanged since (its version counts in-place writes).
+        return all(
+            (t := ref()) is None or t._version == version for ref, version in self.cpu_scalars
+        )
+
+
+class StepFunction:
+    def __init__(self, fn, static_argnums: tuple[int, ...]):
+        self.fn = fn
+        self.static_argnums = static_argnums
+        self._state: list | None = None  # state storages, in program input order
+        self._variants: dict = {}  # argument signature -> [_Variant]
+        functools.update_wrapper(self, fn)
+
+    # -- arguments ------------------------------------------------------------------
+
+    def _split(self, args, kwargs):
+        """(static signature, argument arrays): what the program takes from a call."""
+        leaves, treedef = pytree.tree_flatten((args, kwargs))
+        # Which leaves belong to a static argument: flatten the arguments one by one.
+        static = []
+        for i, arg in enumerate(args):
+            static += [i in self.static_argnums] * len(pytree.tree_leaves(arg))
+        static += [False] * (len(leaves) - len(static))
+        specs, arrays = [], []
+        for leaf, is_static in zip(leaves, static):
+            if isinstance(leaf, TPUTensor):
+                specs.append(("tensor", leaf.dtype))
+                arrays.append(materialize(leaf))
+            elif type(leaf) in (int, float, bool) and not is_static:
+                dtype = _number_dtype(leaf)
+                specs.append(("number", dtype))
+                arrays.append(jax().numpy.asarray(leaf, _jax_dtype(dtype)))
+            elif isinstance(leaf, torch.Tensor):
+                raise TypeError(
+                    f"torchtpu.jit: arguments must be tpu tensors, got a {leaf.device} tensor"
+                )
+            else:
+                specs.append(("static", leaf))
+        return (treedef, tuple(specs)), arrays
+
+    @staticmethod
+    def _rebuild(signature, arrays):
+        """The call's arguments with ``arrays`` (tracers) as the tensors' values."""
+        treedef, specs = signature
+        values, arrays = [], iter(arrays)
+        for kind, payload in specs:
+            values.append(tensor_of(next(arrays), payload) if kind != "static" else payload)
+        return pytree.tree_unflatten(values, treedef)
+
+    # -- calls ----------------------------------------------------------------------
+
+    def __call__(self, *args, **kwargs):
+        if self._state is None:
+            return self._first_call(args, kwargs)
+        signature, arg_arrays = self._split(args, kwargs)
+        for _ in range(_MAX_REDISCOVERIES):
+            variants = self._variants.setdefault(signature, [])
+            variant = next((v for v in variants if v.holds()), None)
+            if variant is None:
+                variant = self._trace(signature, variants)
+            state = list(self._state)
+            inputs = [materialize_storage(s) for s in state] + arg_arrays
+            try:
+                outputs, _ = variant.program(signature, inputs)
+            except _Rediscover:
+                self._variants.clear()  # the state grew: every program takes new inputs
+                continue
+            return self._write_back(variant.layout, state, outputs)
+        raise RuntimeError(
+            f"torchtpu.jit: each trace of {self.fn} touched tensors that existed before it "
+            "but that no earlier call had used; pass such tensors as arguments"
+        )
+
+    def _first_call(self, args, kwargs):
+        """Run eagerly, finding the state and the optimizers (see the module doc)."""
+        signature, arg_arrays = self._split(args, kwargs)
+        call_args, call_kwargs = self._rebuild(signature, arg_arrays)
+        with _Watch() as watch, _Optimizers() as optimizers:
+            result = self.fn(*call_args, **call_kwargs)
+        for opt in optimizers.found.values():
+            _make_capturable(opt)
+        own = {
+            id(t._storage)
+            for t in pytree.tree_leaves((call_args, call_kwargs, result))
+            if isinstance(t, TPUTensor)
+        }
+        self._state = [s for key, s in watch.storages.items() if key not in own]
+        return result
+
+    def _trace(self, signature, variants: list) -> _Variant:
+        variant = _Variant(None)
+        variant.program = Program(functools.partial(self._trace_step, variant), "step")
+        variants.append(variant)
+        perf_warnings.note_compile(
+            f"torchtpu.jit({getattr(self.fn, '__qualname__', self.fn)})",
+            user_frame(),
+            ("jit", id(self), signature, len(variants)),
+            lambda old, new: (
+                "a new argument shape or dtype, or a changed constant (an "
+                "optimizer hyperparameter such as lr, or a CPU scalar tensor)"
+            ),
+        )
+        return variant
+
+    def _trace_step(self, variant: _Variant, signature, arrays):
+        """The trace function of a variant's Program (program.py)."""
+        state = self._state
+        saved = [s.array for s in state]
+        inputs = {id(s) for s in state}
+        for s, tracer in zip(state, arrays):
+            s.array = tracer
+        missing = {}  # id -> (storage, its array before this trace touched it)
+
+        def watch_state(args, kwargs):
+            # Every storage an op touches must be state or made by this trace.
+            for leaf in pytree.tree_leaves((args, kwargs)):
+                if type(leaf) is TPUTensor and leaf._inner is None:
+                    s = leaf._storage
+                    if id(s) not in inputs and not isinstance(s.array, jax().core.Tracer):
+                        missing.setdefault(id(s), (s, s.array))
+
+        dispatch.watchers.append(watch_state)
+        try:
+            call_args, call_kwargs = self._rebuild(signature, arrays[len(state) :])
+            with _Optimizers() as optimizers:
+                result = self.fn(*call_args, **call_kwargs)
+            if missing:
+                self._state = state + [s for s, _ in missing.values()]
+                raise _Rediscover()
+            _refuse_written_arguments(call_args, call_kwargs)
+            for opt in optimizers.found.values():
+                variant.optimizers.append((weakref.ref(opt), _hyperparameters(opt)))
+            variant.cpu_scalars = [
+                (weakref.ref(t), t._version) for t in tracing.active().cpu_scalars
+            ]
+            outputs, written = [], []
+            for i, (s, tracer) in enumerate(zip(state, arrays)):
+                if s.array is not tracer:
+                    written.append(i)
+                    outputs.append(s.array)
+            leaves, treedef = pytree.tree_flatten(result)
+            result_arrays, result_specs = [], []
+            for leaf in leaves:
+                if isinstance(leaf, TPUTensor):
+                    result_arrays.append(materialize(leaf))
+                    result_specs.append(("tensor", leaf.dtype))
+                else:
+                    result_specs.append(("value", leaf))
+            # Dropping the results frees their autograd graph: what stays alive of the
+            # storages made while tracing is kept by the program's caller (new grads).
+            del result, leaves, call_args, call_kwargs
+            created = [
+                s
+                for ref in tracing.active().created
+                if (s := ref()) is not None and id(s) not in inputs and s.array is not None
+            ]
+            outputs.extend(s.array for s in created)
+            outputs.extend(result_arrays)
+            variant.layout = (written, [weakref.ref(s) for s in created], treedef, result_specs)
+            return outputs, None
+        finally:
+            dispatch.watchers.remove(watch_state)
+            for s, array in [*zip(state, saved), *missing.values()]:
+                s.array = array
+
+    @staticmethod
+    def _write_back(layout, state, outputs):
+        written, created, treedef, result_specs = layout
+        outputs = iter(outputs)
+        for i in written:
+            state[i].set(next(outputs))
+        for ref in created:
+            array = next(outputs)
+            s = ref()
+            if s is not None:
+                s.set(array)
+        leaves = [
+            tensor_of(next(outputs), payload) if kind == "tensor" else payload
+            for kind, payload in result_specs
+        ]
+        return pytree.tree_unflatten(leaves, treedef)
+
+
+def _refuse_written_arguments(call_args, call_kwargs) -> None:
+    for leaf in pytree.tree_leaves((call_args, call_kwargs)):
+        if isinstance(leaf, TPUTensor) and leaf._storage.version:
+            raise RuntimeError(
+                "torchtpu.jit: the step wrote to one of its tensor arguments in place; "
+                "return the new value instead, or keep the tensor as state (e.g. a "
+                "module buffer)"
+            )
+
+
+def materialize_storage(s):
+    """A state storage's base array, concrete (flushing DeferAndFuse if need be)."""
+    from torchtpu.defer import Pending
+
+    if type(s.array) is Pending:
+        return materialize(TPUTensor(s, (), s.shape, s.strides, 0, s.dtype))
+    if s.array is None:
+        return jax().numpy.zeros(s.shape, _jax_dtype(s.dtype))
+    return s.array
+
+
+def _number_dtype(x) -> torch.dtype:
+    if type(x) is bool:
+        return torch.bool
+    if type(x) is int:
+        return torch.int64
+    return torch.get_default_dtype()
+
+
+def _jax_dtype(dtype: torch.dtype):
+    from torchtpu import dtypes
+
+    return dtypes.to_jax(dtype)

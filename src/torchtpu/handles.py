@@ -1,0 +1,130 @@
+"""How a TPUTensor looks to torch.compile: a traceable wrapper subclass of a handle.
+
+Dynamo treats a tensor subclass as a tensor (instead of graph-breaking on every op)
+only if its ``__torch_dispatch__`` is torch's own or it is a *traceable wrapper
+subclass*: one that ``__tensor_flatten__``s into inner tensors and is rebuilt from them
+by ``__tensor_unflatten__``. So a TPUTensor flattens into one inner tensor, its
+**handle**: a plain, storage-less torch tensor on the tpu device
+(``torch._C._acc.create_empty_tensor``) that carries the JAX array of the tensor's
+current value in its ``_jax`` attribute.
+
+- Dynamo and AOTAutograd fakify the handle like any device tensor and trace the
+  model's ops on the fake. A TPUTensor rebuilt around a fake (or functional) inner
+  tensor is a **traced wrapper**: its ops run `dispatch_traced` — on the inner tensor,
+  rewrapped — so the graph AOTAutograd hands the backend is plain aten ops on handles.
+- At run time AOTAutograd flattens each TPUTensor argument into a fresh handle, calls
+  the compiled function (compile/backend.py), which reads the ``_jax`` arrays and
+  returns handles of its results, and unflattens those into new TPUTensors.
+
+Note [Why handles, not the subclass itself]
+    Dynamo must see something it can fakify: a wrapper subclass whose dispatch runs
+    JAX code is opaque to it. A handle is a real tpu tensor with no storage, so every
+    torch mechanism (fake tensors, functionalization, autograd's saved tensors) works
+    on it unchanged, and the JAX array rides along as an attribute.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils._pytree import tree_map_only
+
+from torchtpu import tensor as tensor_module
+from torchtpu.tensor import TPUTensor
+
+
+def make_handle(array, dtype: torch.dtype) -> torch.Tensor:
+    """A storage-less tpu tensor of ``array``'s shape carrying ``array``."""
+    handle = torch._C._acc.create_empty_tensor(tuple(array.shape), dtype)
+    handle._jax = array
+    return handle
+
+
+def is_handle(t) -> bool:
+    return type(t) is torch.Tensor and hasattr(t, "_jax")
+
+
+def array_of(handle: torch.Tensor):
+    return handle._jax
+
+
+def handle_of(t: TPUTensor) -> torch.Tensor:
+    """The inner tensor of ``t`` for torch.compile: its traced inner tensor if it is a
+    traced wrapper, else a handle of its current value.
+
+    The handle is cached on ``t`` while it reads the same array through the same view
+    (``t.data = ...`` may change the view): Dynamo's
+    guards read ``x._handle`` for each argument and tell distinct tensors apart by
+    ``id()``, which a fresh, immediately freed handle would reuse.
+    """
+    if t._inner is not None:
+        return t._inner
+    cached = t.__dict__.get("_handle_cache")
+    if cached is not None and cached[0] is t._storage.array and cached[1] is t._meta:
+        return cached[2]
+    from torchtpu import defer
+    from torchtpu.plans import materialize
+
+    if defer.pending_count():
+        defer.flush("compiled call")  # queued eager ops run before the compiled ones
+    handle = make_handle(materialize(t), t.dtype)
+    t._handle_cache = (t._storage.array, t._meta, handle)
+    return handle
+
+
+def unflatten(inner: torch.Tensor, size, stride) -> TPUTensor:
+    """A TPUTensor around ``inner``: a real one for a handle, else a traced wrapper."""
+    size, stride = tuple(size), tuple(stride)
+    if is_handle(inner):
+        from torchtpu.storage import Storage
+
+        s = Storage(inner._jax, size, stride, inner.dtype, 0)
+        return TPUTensor(s, (), size, stride, 0, inner.dtype)
+    return wrap_traced(inner, size, stride)
+
+
+def wrap_traced(inner: torch.Tensor, size=None, stride=None) -> TPUTensor:
+    tensor_module._tracing_seen = True  # from now on, ops look for traced wrappers
+    t = torch.Tensor._make_wrapper_subclass(
+        TPUTensor,
+        inner.shape if size is None else size,
+        strides=inner.stride() if stride is None else stride,
+        storage_offset=inner.storage_offset(),
+        dtype=inner.dtype,
+        device=inner.device,
+        requires_grad=inner.requires_grad,
+    )
+    t._inner = inner
+    return t
+
+
+def dispatch_traced(func, args, kwargs):
+    """An op on traced wrappers: run on their inner tensors, wrap the results."""
+
+    def inner(t: TPUTensor):
+        if t._inner is None:
+            raise RuntimeError(
+                f"{func}: a tpu tensor that torch.compile did not trace as an input was "
+                "used in a compiled region; pass it as an argument or make it a module "
+                "parameter or buffer"
+            )
+        return t._inner
+
+    inner_args, inner_kwargs = tree_map_only(TPUTensor, inner, (args, kwargs))
+    out = func(*inner_args, **inner_kwargs)
+    written = _written_arguments(func, args, kwargs)
+    if written is not None:
+        return written  # an in-place or out= op returns the tensors it wrote
+    return tree_map_only(torch.Tensor, wrap_traced, out)
+
+
+def _written_arguments(func, args, kwargs):
+    schema = func._schema
+    if not schema.is_mutable:
+        return None
+    written = []
+    for i, arg in enumerate(schema.arguments):
+        if arg.alias_info is not None and arg.alias_info.is_write:
+            written.append(args[i] if i < len(args) else kwargs[arg.name])
+    if len(schema.returns) != len(written) or any(r.alias_info is None for r in schema.returns):
+        return None  # returns something other than its written arguments
+    return written[0] if len(written) == 1 else tuple(written)

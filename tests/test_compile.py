@@ -1,0 +1,381 @@
+"""The compiled paths: torch.compile(backend="tpu") and torchtpu.jit, against CPU eager."""
+
+from __future__ import annotations
+
+import importlib.metadata
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import torchtpu
+from test_training import _CNN, _Block, _mlp, _mlp_batch
+
+aten = torch.ops.aten
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _cnn_batch():
+    g = torch.Generator().manual_seed(2)
+    return torch.randn(4, 3, 16, 16, generator=g), torch.randint(0, 5, (4,), generator=g)
+
+
+def _block_batch():
+    tokens = torch.randint(1, 50, (2, 8), generator=torch.Generator().manual_seed(3))
+    tokens[0, :2] = 0
+    return (tokens,)
+
+
+MODELS = {
+    "mlp": (
+        _mlp,
+        _mlp_batch,
+        lambda m, x, y: F.cross_entropy(m(x), y),
+        lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
+    ),
+    "cnn": (
+        _CNN,
+        _cnn_batch,
+        lambda m, x, y: F.cross_entropy(m(x), y),
+        lambda p: torch.optim.Adam(p, lr=1e-2),
+    ),
+    "block": (
+        _Block,
+        _block_batch,
+        lambda m, t: F.nll_loss(m(t).flatten(0, 1), t.flatten(), ignore_index=0),
+        lambda p: torch.optim.AdamW(p, lr=1e-2, eps=1e-6),
+    ),
+}
+
+
+def _train(name, device, steps, wrap_model=None, wrap_step=None):
+    """``steps`` training steps of a MODELS entry; (losses, final state on the CPU)."""
+    make_model, make_batch, loss_fn, make_opt = MODELS[name]
+    torch.manual_seed(0)
+    model = make_model().to(device)
+    batch = [t.to(device) for t in make_batch()]
+    opt = make_opt(model.parameters())
+    run = wrap_model(model) if wrap_model else model
+
+    def step(*batch):
+        opt.zero_grad()
+        loss = loss_fn(run, *batch)
+        loss.backward()
+        opt.step()
+        return loss
+
+    if wrap_step:
+        step = wrap_step(step)
+    losses = [step(*batch).item() for _ in range(steps)]
+    return losses, {k: v.detach().cpu() for k, v in model.state_dict().items()}
+
+
+def _assert_trains_like_cpu(
+    name, steps, *, loss_atol=1e-5, state_rtol=1e-4, state_atol=1e-5, **wrap
+):
+    tpu_losses, tpu_state = _train(name, "tpu", steps, **wrap)
+    cpu_losses, cpu_state = _train(name, "cpu", steps)
+    torch.testing.assert_close(
+        torch.tensor(tpu_losses), torch.tensor(cpu_losses), rtol=0, atol=loss_atol
+    )
+    for key, value in cpu_state.items():
+        torch.testing.assert_close(
+            tpu_state[key],
+            value,
+            rtol=state_rtol,
+            atol=state_atol,
+            msg=lambda m, k=key: f"{k}: {m}",
+        )
+
+
+# -- torch.compile ------------------------------------------------------------------
+
+
+def test_backend_is_found_by_name_through_its_entry_point():
+    names = importlib.metadata.entry_points(group="torch_dynamo_backends").names
+    assert "tpu" in names
+    from torchtpu.compile.backend import tpu_backend
+
+    assert torch._dynamo.lookup_backend("tpu") is tpu_backend
+    assert "tpu" in torch._dynamo.list_backends()
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_models_compile_without_graph_breaks(name):
+    make_model, make_batch, _, _ = MODELS[name]
+    model = make_model().to("tpu")
+    explanation = torch._dynamo.explain(model)(make_batch()[0].to("tpu"))
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+    assert explanation.graph_count == 1
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_compiled_training_matches_cpu(name):
+    """Forward and backward compiled (two XLA programs), the optimizer eager."""
+    _assert_trains_like_cpu(name, 3, wrap_model=lambda m: torch.compile(m, backend="tpu"))
+    metrics = torchtpu.metrics()
+    assert metrics["compiles"]["graph"] == 2  # one forward, one backward
+    assert metrics["compiled_calls"]["graph"] == 6
+    assert "fallback" not in metrics
+
+
+def test_compiled_matches_eager_in_every_mode(mode):
+    torch.manual_seed(0)
+    model = _CNN().to("tpu")  # BatchNorm: its running stats are written by the graph
+    x = _cnn_batch()[0].to("tpu")
+    eager_model = _CNN().to("tpu")
+    eager_model.load_state_dict(model.state_dict())
+    compiled = torch.compile(model, backend="tpu")
+    torch.testing.assert_close(compiled(x).cpu(), eager_model(x).cpu(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(model.bn.running_mean.cpu(), eager_model.bn.running_mean.cpu())
+    assert int(model.bn.num_batches_tracked.item()) == 1
+
+
+def test_new_input_shape_compiles_once_then_is_cached():
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)).to("tpu")
+    compiled = torch.compile(model, backend="tpu")
+
+    def run(batches):
+        with torch.no_grad():
+            for batch in batches:
+                x = torch.randn(batch, 8).to("tpu")
+                torch.testing.assert_close(compiled(x).cpu(), model(x).cpu())
+        return torchtpu.metrics()["compiles"]["graph"]
+
+    # Batch 3 compiles a static graph; at batch 5 Dynamo retraces with symbolic sizes
+    # (its automatic dynamic shapes), and that graph compiles once per concrete shape:
+    # 5, 7, then 3 again.
+    assert run([3, 5, 7, 3]) == 4
+    assert run([5, 7, 3, 5, 3, 7]) == 4  # every shape is cached from then on
+
+
+def test_dynamic_true_compiles_one_program_per_shape():
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh()).to("tpu")
+    compiled = torch.compile(model, backend="tpu", dynamic=True)
+    with torch.no_grad():
+        for batch in (2, 6, 2):
+            x = torch.randn(batch, 8).to("tpu")
+            torch.testing.assert_close(compiled(x).cpu(), model(x).cpu())
+    assert torchtpu.metrics()["compiles"]["graph"] == 2
+
+
+@pytest.mark.allow_fallback
+def test_op_without_lowering_in_a_graph_raises_naming_it(monkeypatch):
+    from torchtpu import dispatch, fallback
+
+    monkeypatch.setitem(dispatch._HANDLERS, aten.tanh.default, fallback.run_on_cpu)
+    compiled = torch.compile(lambda x: torch.tanh(x) * 2, backend="tpu")
+    with pytest.raises(RuntimeError, match=r"aten\.tanh\.default: it has no tpu lowering"):
+        compiled(torch.randn(3).to("tpu"))
+
+
+def test_dropout_in_a_graph_draws_new_numbers_each_call():
+    model = nn.Sequential(nn.Linear(16, 64), nn.Dropout(0.5)).to("tpu")
+    compiled = torch.compile(model, backend="tpu")
+    x = torch.randn(8, 16).to("tpu")
+    a, b = compiled(x).detach().cpu(), compiled(x).detach().cpu()
+    assert not torch.equal(a == 0, b == 0)
+    assert 0.3 < (a == 0).float().mean() < 0.7
+
+
+def test_value_read_in_a_compiled_function_is_a_graph_break_not_an_error():
+    def f(x):
+        y = x * 2
+        if y.sum().item() > 0:  # Dynamo breaks the graph here and runs .item() eagerly
+            return y + 1
+        return y - 1
+
+    x = torch.randn(5)
+    compiled = torch.compile(f, backend="tpu")
+    torch.testing.assert_close(compiled(x.to("tpu")).cpu(), f(x))
+
+
+def test_backend_rejects_unknown_options():
+    with pytest.raises(Exception, match="takes no options"):
+        torch.compile(lambda x: x + 1, backend="tpu", options={"foo": 1})(torch.ones(2).to("tpu"))
+
+
+# -- torchtpu.jit ---------------------------------------------------------------------
+
+
+def _square_loss_step(model, opt):
+    def step(x):
+        opt.zero_grad()
+        loss = model(x).square().mean()
+        loss.backward()
+        opt.step()
+        return loss
+
+    return step
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_jit_training_matches_cpu(name):
+    # Adam's capturable form computes its bias corrections in float32 on the device,
+    # not in Python floats: its states differ from the CPU's in the last digits.
+    tolerance = {} if name == "mlp" else dict(loss_atol=5e-5, state_rtol=1e-3, state_atol=1e-4)
+    _assert_trains_like_cpu(name, 5, wrap_step=torchtpu.jit, **tolerance)
+    metrics = torchtpu.metrics()
+    assert metrics["compiles"]["step"] == 1
+    assert metrics["compiled_calls"]["step"] == 4  # the first call runs eagerly
+    assert "fallback" not in metrics
+
+
+def test_jit_in_every_mode(mode):
+    def run(device, jit):
+        torch.manual_seed(0)
+        model = nn.Linear(4, 2).to(device)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        x = torch.randn(3, 4, generator=torch.Generator().manual_seed(1)).to(device)
+
+        step = _square_loss_step(model, opt)
+        step = torchtpu.jit(step) if jit else step
+        return [step(x).item() for _ in range(4)]
+
+    torch.testing.assert_close(run("tpu", True), run("cpu", False))
+
+
+def test_jit_replays_without_running_python_ops():
+    model = nn.Linear(4, 2).to("tpu")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    step = torchtpu.jit(_square_loss_step(model, opt))
+    x = torch.randn(3, 4).to("tpu")
+    step(x), step(x)
+    ops_before = sum(torchtpu.metrics()["ops"].values())
+    step(x)
+    assert sum(torchtpu.metrics()["ops"].values()) == ops_before
+
+
+def test_jit_number_arguments_are_inputs():
+    @torchtpu.jit
+    def scale(x, factor):
+        return x * factor + 1
+
+    x = torch.randn(4)
+    for factor in (2.0, 3.0, 0.5, 4.0):
+        torch.testing.assert_close(scale(x.to("tpu"), factor).cpu(), x * factor + 1)
+    assert torchtpu.metrics()["compiles"]["step"] == 1
+
+
+def test_jit_static_argument_is_part_of_the_key():
+    @torchtpu.jit(static_argnums=(1,))
+    def power(x, n):
+        for _ in range(n):
+            x = x * 2
+        return x
+
+    x = torch.ones(2)
+    for n in (1, 2, 3, 2):
+        power(x.to("tpu"), n)
+        torch.testing.assert_close(power(x.to("tpu"), n).cpu(), x * 2**n)
+    assert torchtpu.metrics()["compiles"]["step"] == 3
+
+
+def test_jit_follows_a_changing_learning_rate():
+    """A scheduler changes lr between steps: each value is a new program, never a stale one."""
+
+    def run(device, jit):
+        torch.manual_seed(0)
+        model = nn.Linear(4, 1).to(device)
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+        x = torch.randn(6, 4, generator=torch.Generator().manual_seed(1)).to(device)
+
+        step = _square_loss_step(model, opt)
+        step = torchtpu.jit(step) if jit else step
+        losses = []
+        for _ in range(4):
+            losses.append(step(x).item())
+            sched.step()
+        return losses, model.weight.detach().cpu()
+
+    (tpu_losses, tpu_w), (cpu_losses, cpu_w) = run("tpu", True), run("cpu", False)
+    torch.testing.assert_close(torch.tensor(tpu_losses), torch.tensor(cpu_losses))
+    torch.testing.assert_close(tpu_w, cpu_w)
+
+
+def test_jit_dropout_draws_new_numbers_each_call():
+    drop = nn.Dropout(0.5)
+    step = torchtpu.jit(lambda x: drop(x))
+    x = torch.ones(64).to("tpu")
+    masks = [step(x).cpu() == 0 for _ in range(4)]
+    assert not torch.equal(masks[2], masks[3])  # both replays of the compiled program
+
+
+def test_jit_value_read_inside_raises_clearly():
+    @torchtpu.jit
+    def f(x):
+        return x * x.sum().item()
+
+    x = torch.randn(3).to("tpu")
+    f(x)  # the first call runs eagerly
+    with pytest.raises(RuntimeError, match="reading a tensor's values"):
+        f(x)
+
+
+def test_jit_refuses_an_in_place_write_to_an_argument():
+    @torchtpu.jit
+    def f(x):
+        x.add_(1)
+        return x.sum()
+
+    x = torch.zeros(3).to("tpu")
+    f(x)
+    with pytest.raises(RuntimeError, match="wrote to one of its tensor arguments"):
+        f(x)
+
+
+def test_error_in_backward_is_raised_not_aborted(monkeypatch):
+    """Note [Why backward errors are deferred]: the error surfaces at the next op."""
+    from torchtpu import dispatch
+
+    def broken(func, args, kwargs):
+        raise ValueError("lowering failed")
+
+    x = torch.randn(3).to("tpu").requires_grad_()
+    y = x.sin().sum()
+    monkeypatch.setitem(dispatch._HANDLERS, aten.cos.default, broken)
+    y.backward()
+    monkeypatch.undo()
+    with pytest.raises(ValueError, match="lowering failed"):
+        torch.ones(1, device="tpu") + 1
+    (torch.ones(1, device="tpu") + 1).cpu()  # raised once; the device works on
+
+
+def test_error_in_a_compiled_backward_is_raised_not_aborted(monkeypatch):
+    from torchtpu import dispatch
+
+    def broken(func, args, kwargs):
+        raise ValueError("lowering failed")
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU()).to("tpu")
+    compiled = torch.compile(model, backend="tpu")
+    loss = compiled(torch.randn(2, 4).to("tpu")).sum()
+    # The backward graph is traced at its first call, inside backward().
+    monkeypatch.setitem(dispatch._HANDLERS, aten.threshold_backward.default, broken)
+    loss.backward()
+    monkeypatch.undo()
+    with pytest.raises(ValueError, match="lowering failed"):
+        model[0].weight.grad.cpu()
+
+
+def test_several_tensor_arguments_and_attributes():
+    class Holder:
+        pass
+
+    holder = Holder()
+    holder.k = torch.full((1, 4), 3).to("tpu")
+    a, b = torch.ones(1, 4, dtype=torch.long).to("tpu"), torch.arange(4).view(1, 4).to("tpu")
+    compiled = torch.compile(lambda x, y: x + y * holder.k, backend="tpu")
+    assert compiled(a, b).cpu().tolist() == [[1, 4, 7, 10]]
+    assert compiled(x=b, y=a).cpu().tolist() == [[3, 4, 5, 6]]
+    a.add_(1)  # a new value of an argument: the next call reads it
+    assert compiled(a, b).cpu().tolist() == [[2, 5, 8, 11]]
