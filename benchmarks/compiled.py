@@ -9,7 +9,8 @@ DeferAndFuse eager; ``torch.compile(model, backend="tpu")`` (forward and backwar
 XLA programs, the optimizer runs eagerly); ``torchtpu.jit`` (the whole step is one
 program); the same step written in JAX under one ``jax.jit`` (the floor). Every step
 ends by reading the loss (``.item()``), as a training loop that logs does. Then the
-first call of each compiled path: tracing and compiling its programs.
+first call of each compiled path (two for torchtpu.jit, whose first call runs eagerly):
+tracing and compiling its programs, with JAX's persistent compile cache off.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
 import torch  # noqa: E402
 
+import torchtpu  # noqa: E402
+
 from benchmarks.eager_modes import (  # noqa: E402
     _us,
     jax_mlp_step_fn,
@@ -31,6 +34,9 @@ from benchmarks.eager_modes import (  # noqa: E402
     timeit,
     transformer_step_fn,
 )
+
+# First calls compile from scratch: no programs from JAX's persistent cache.
+torchtpu.config.compile_cache_dir = None
 
 WORKLOADS = {
     "MLP SGD step, batch 64": (
