@@ -19,7 +19,9 @@ Note [Why backward errors are deferred]
 from __future__ import annotations
 
 import torch
-from torch.utils._pytree import tree_map, tree_map_only
+from torch.utils._pytree import tree_leaves, tree_map, tree_map_only
+
+from torchtpu import schema
 
 _raised: list[BaseException] = []
 
@@ -44,16 +46,14 @@ def poisoned(func, args, kwargs, exc: BaseException):
         out = func(*meta_args, **meta_kwargs)
     except Exception:
         out = None  # torch's engine reports the missing output, without a Python error
-    written = [
-        (args[i] if i < len(args) else kwargs.get(a.name))
-        for i, a in enumerate(func._schema.arguments)
-        if a.alias_info is not None and a.alias_info.is_write
-    ]
-    for t in written:
+    info = schema.info(func)
+    values = info.bind(args, kwargs)
+    for t in tree_leaves([values[i] for i in info.mutable]):
         if isinstance(t, TPUTensor):
             t._storage.array = _failed(t._storage.shape, t._storage.dtype, exc)
-    if func._schema.is_mutable and written and len(written) == len(func._schema.returns):
-        return written[0] if len(written) == 1 else tuple(written)
+    written = info.returned_written(args, kwargs)
+    if written is not None:
+        return written
 
     def wrap(m):
         if not isinstance(m, torch.Tensor):

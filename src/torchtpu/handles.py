@@ -28,6 +28,7 @@ from __future__ import annotations
 import torch
 from torch.utils._pytree import tree_map_only
 
+from torchtpu import schema
 from torchtpu import tensor as tensor_module
 from torchtpu.tensor import TPUTensor
 
@@ -111,20 +112,7 @@ def dispatch_traced(func, args, kwargs):
 
     inner_args, inner_kwargs = tree_map_only(TPUTensor, inner, (args, kwargs))
     out = func(*inner_args, **inner_kwargs)
-    written = _written_arguments(func, args, kwargs)
+    written = schema.info(func).returned_written(args, kwargs)
     if written is not None:
         return written  # an in-place or out= op returns the tensors it wrote
     return tree_map_only(torch.Tensor, wrap_traced, out)
-
-
-def _written_arguments(func, args, kwargs):
-    schema = func._schema
-    if not schema.is_mutable:
-        return None
-    written = []
-    for i, arg in enumerate(schema.arguments):
-        if arg.alias_info is not None and arg.alias_info.is_write:
-            written.append(args[i] if i < len(args) else kwargs[arg.name])
-    if len(schema.returns) != len(written) or any(r.alias_info is None for r in schema.returns):
-        return None  # returns something other than its written arguments
-    return written[0] if len(written) == 1 else tuple(written)

@@ -54,6 +54,19 @@ class SchemaInfo(NamedTuple):
                 raise TypeError(f"{self.op}: missing required argument {arg.name!r}")
         return values
 
+    def returned_written(self, args: tuple, kwargs: dict):
+        """For an op that returns exactly the arguments it writes (``add_``, ``out=``
+        ops): those arguments, as the op returns them. None for any other op."""
+        if (
+            not self.mutable
+            or len(self.returns) != len(self.mutable)
+            or any(r.aliases is None for r in self.returns)
+        ):
+            return None
+        values = self.bind(args, kwargs)
+        written = [values[i] for i in self.mutable]
+        return written[0] if len(written) == 1 else tuple(written)
+
     def split(self, values: list) -> tuple[list, dict]:
         """Inverse of `bind`: positional args and kwarg-only args for calling the op."""
         args, kwargs = [], {}

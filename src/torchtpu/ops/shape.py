@@ -180,10 +180,18 @@ def upsample_bilinear2d(self, output_size, align_corners, scales_h=None, scales_
     return x.astype(self.dtype)
 
 
-def _nearest_backward(grad_output, output_size, input_size, scales, exact=False):
+def _linear_backward(forward, grad_output, input_size):
+    """The input gradient of ``forward``, a function linear in its input (upsampling):
+    its VJP, taken at a zero input of ``input_size`` (any point would do)."""
     zeros = jnp.zeros(tuple(input_size), grad_output.dtype)
-    _, vjp = jax.vjp(lambda x: _nearest(x, output_size, scales, exact), zeros)
+    _, vjp = jax.vjp(forward, zeros)
     return vjp(grad_output)[0]
+
+
+def _nearest_backward(grad_output, output_size, input_size, scales, exact=False):
+    return _linear_backward(
+        lambda x: _nearest(x, output_size, scales, exact), grad_output, input_size
+    )
 
 
 @lowers(aten._upsample_nearest_exact1d_backward.default)
@@ -227,11 +235,11 @@ def upsample_nearest3d_backward(
 def upsample_bilinear2d_backward(
     grad_output, output_size, input_size, align_corners, scales_h=None, scales_w=None
 ):
-    zeros = jnp.zeros(tuple(input_size), grad_output.dtype)
-    _, vjp = jax.vjp(
-        lambda x: upsample_bilinear2d(x, output_size, align_corners, scales_h, scales_w), zeros
+    return _linear_backward(
+        lambda x: upsample_bilinear2d(x, output_size, align_corners, scales_h, scales_w),
+        grad_output,
+        input_size,
     )
-    return vjp(grad_output)[0]
 
 
 def _antialias_weights(size_in, size_out, align_corners, scale, real):
@@ -289,11 +297,11 @@ def _upsample_bilinear2d_aa(self, output_size, align_corners, scales_h=None, sca
 def _upsample_bilinear2d_aa_backward(
     grad_output, output_size, input_size, align_corners, scales_h=None, scales_w=None
 ):
-    zeros = jnp.zeros(tuple(input_size), grad_output.dtype)
-    _, vjp = jax.vjp(
-        lambda x: _upsample_bilinear2d_aa(x, output_size, align_corners, scales_h, scales_w), zeros
+    return _linear_backward(
+        lambda x: _upsample_bilinear2d_aa(x, output_size, align_corners, scales_h, scales_w),
+        grad_output,
+        input_size,
     )
-    return vjp(grad_output)[0]
 
 
 @lowers(aten.trace.default, compute_in_result=("self",))
