@@ -142,3 +142,28 @@ def test_mixing_cpu_and_tpu_tensors():
         t + torch.ones(3)
     with pytest.raises(RuntimeError, match="same device"):
         torch.mm(torch.ones(2, 2, device="tpu"), torch.ones(2, 2))
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda x: x.new_empty(2, device="cpu").shape,
+        lambda x: x.new_zeros(2, device="cpu"),
+        lambda x: x.new_full((2,), 3.0, device="cpu"),
+        lambda x: torch.zeros_like(x, device="cpu"),
+        lambda x: torch.empty_like(x, device="cpu").shape,
+        lambda x: torch.linspace(x[0], 5, 4, device="cpu"),
+        lambda x: torch.logspace(x[0], x[1], 3, device="cpu"),
+    ],
+)
+def test_results_asked_for_on_the_cpu_are_cpu_tensors(make):
+    """From tpu inputs, an op told ``device="cpu"`` makes a CPU tensor (as from CUDA
+    inputs), and that is not the CPU fallback."""
+    x = torch.tensor([1.0, 2.0])
+    actual = make(x.to("tpu"))
+    expected = make(x)
+    if isinstance(expected, torch.Tensor):
+        assert actual.device.type == "cpu"
+        torch.testing.assert_close(actual, expected)
+    else:
+        assert actual == expected

@@ -1324,6 +1324,32 @@ LOSSES = [
         F.log_softmax(_X, 1),
         torch.tensor([[0.0, 0.5, 0.5, 0.0]] * 3),
     ),
+    # Each row's targets end at its first -1 (torch's own decomposition gets it wrong).
+    _case(
+        "multilabel_margin",
+        lambda x, t: F.multilabel_margin_loss(x, t, reduction="none"),
+        _X,
+        torch.tensor([[2, 1, -1, 0], [3, -1, 1, 1], [0, 1, 2, 3]]),
+    ),
+    _case(
+        "multilabel_margin_one_sample",
+        lambda x, t: F.multilabel_margin_loss(x, t, reduction="sum"),
+        _X[0],
+        torch.tensor([1, -1, 3, 3]),
+    ),
+    _case(
+        "multi_margin_p2_weight",
+        lambda x, t, w: F.multi_margin_loss(x, t, p=2, margin=0.7, weight=w, reduction="none"),
+        _X,
+        torch.tensor([1, 0, 3]),
+        _P[0] + 1,
+    ),
+    _case(
+        "multi_margin_one_sample",
+        lambda x, t: F.multi_margin_loss(x, t, reduction="none"),
+        _X[0],
+        torch.tensor(2),
+    ),
 ]
 
 # Gradients of the input (and of float targets where torch defines them).
@@ -1517,6 +1543,84 @@ def test_ctc_loss_concatenated_targets_and_infinite():
     check(summed, *inputs, grad=(0,), rtol=1e-5, atol=1e-5)
 
 
+def test_ctc_loss_with_lengths_as_lists():
+    log_probs, targets, input_lengths, target_lengths = _ctc_inputs()
+    lengths = (tuple(input_lengths.tolist()), tuple(target_lengths.tolist()))
+    check(
+        lambda lp, t: F.ctc_loss(lp, t, *lengths),
+        log_probs,
+        targets,
+        grad=(0,),
+        rtol=1e-5,
+        atol=1e-5,
+    )
+
+
+@pytest.mark.parametrize(
+    "shape,kernel,output",
+    [
+        ((2, 3, 9, 11), (2, 3), (4, 5)),
+        ((3, 9, 11), (3, 2), (5, 4)),
+        ((1, 2, 5, 5), (2, 2), (1, 1)),
+        ((2, 3, 7, 8, 9), (2, 3, 2), (3, 4, 5)),
+        ((3, 7, 8, 9), (2, 2, 3), (4, 4, 4)),
+    ],
+)
+def test_fractional_max_pool_given_samples(shape, kernel, output):
+    # F.fractional_max_pool* draw their samples from the device's generator; with the
+    # same samples the aten op is deterministic, NaN and ties included.
+    n = len(kernel)
+    op = getattr(torch.ops.aten, f"fractional_max_pool{n}d").default
+    x = _randn(*shape)
+    x.view(-1)[0] = nan
+    planes = (shape[0] if len(shape) == n + 2 else 1, shape[-n - 1])
+    samples = torch.rand(planes + (n,), generator=torch.Generator().manual_seed(0))
+    check(lambda a, s: op(a, kernel, output, s), x, samples, grad=(0,))
+
+
+@pytest.mark.parametrize(
+    "make,size,stride,offset",
+    [
+        (lambda d: torch.arange(12.0, device=d).view(3, 4), (2, 2), (1, 2), 1),
+        (lambda d: torch.arange(12.0, device=d).view(4, 3).t(), (2, 2), (1, 2), 0),
+        (lambda d: torch.arange(24.0, device=d).view(2, 3, 4).permute(2, 0, 1), (3,), (5,), 2),
+        (lambda d: torch.arange(24.0, device=d).view(4, 6)[:, ::2], (2, 2), (3, 1), 1),
+        (lambda d: torch.tensor(3.0, device=d), (), (), 0),
+    ],
+    ids=["contiguous", "transposed", "permuted", "with_gaps", "0d"],
+)
+def test_as_strided_scatter_writes_memory_positions_of_the_inputs_layout(
+    make, size, stride, offset
+):
+    src = -torch.arange(1.0, 1 + math.prod(size)).view(size)
+    expected = torch.as_strided_scatter(make("cpu"), src, size, stride, offset)
+    actual = torch.as_strided_scatter(make("tpu"), tpu(src), size, stride, offset)
+    assert_same(actual, expected, check_stride=True)
+
+
+@pytest.mark.parametrize("param_dtype", [torch.bfloat16, torch.float32, None], ids=str)
+@pytest.mark.parametrize("norm", ["layer", "batch", "group"])
+def test_norm_statistics_of_16_bit_input_have_the_cpus_dtype(norm, param_dtype):
+    # The CPU keeps them in the input's dtype unless a parameter is float32; torch's
+    # meta kernels (our shape oracle) follow CUDA instead.
+    aten = torch.ops.aten
+    x = _randn(4, 6).to(torch.bfloat16)
+    w = None if param_dtype is None else (_randn(6).abs() + 0.5).to(param_dtype)
+
+    def stats(x, w):
+        if norm == "layer":
+            return aten.native_layer_norm(x, [6], w, w, 1e-5)
+        if norm == "group":
+            return aten.native_group_norm(x.view(4, 6, 1), w, w, 4, 6, 1, 2, 1e-5)
+        running = None if w is None else (torch.zeros_like(w), torch.ones_like(w))
+        return aten.native_batch_norm(x, w, w, *(running or (None, None)), True, 0.1, 1e-5)
+
+    expected = stats(x, w)
+    actual = stats(tpu(x), None if w is None else tpu(w))
+    assert [t.dtype for t in actual] == [t.dtype for t in expected]
+    assert_same(actual[1:], expected[1:], rtol=1.6e-2, atol=1e-5)
+
+
 def test_static_numbers_of_equal_value_but_other_type_are_other_constants():
     # 4 == 4.0 and 1 == True in Python; as op constants they give other dtypes.
     for make in (
@@ -1527,3 +1631,36 @@ def test_static_numbers_of_equal_value_but_other_type_are_other_constants():
         lambda d: torch.full((2,), 1.0, device=d),
     ):
         assert_same(make("tpu"), make("cpu"))
+
+
+@pytest.mark.parametrize(
+    "dtype,hermitian",
+    [
+        (torch.float32, False),
+        (torch.float64, False),
+        (torch.complex128, False),
+        (torch.complex128, True),
+    ],
+)
+def test_ldl_factor_pivots_and_solve_match_lapack(dtype, hermitian):
+    # Bunch-Kaufman pivoting decides LD's layout: the pivots (2x2 blocks included) must be
+    # LAPACK's own. Several seeds so that both block sizes occur; a singular case too.
+    for seed in range(6):
+        a = torch.randn(2, 5, 5, dtype=dtype, generator=torch.Generator().manual_seed(seed))
+        a = a + (a.mH if hermitian else a.mT)
+        if seed == 5:
+            a[0] = 0  # info = 1
+        b = _randn(2, 5, 3, dtype=dtype, seed=seed)
+        factored = torch.linalg.ldl_factor_ex(a, hermitian=hermitian)
+        actual = torch.linalg.ldl_factor_ex(tpu(a), hermitian=hermitian)
+        assert_same(actual.pivots, factored.pivots)
+        assert_same(actual.info, factored.info)
+        assert_same(actual.LD, factored.LD, rtol=1e-4, atol=1e-4)
+        if seed < 5:
+            x = torch.linalg.ldl_solve(*factored[:2], b, hermitian=hermitian)
+            assert_same(
+                torch.linalg.ldl_solve(*actual[:2], tpu(b), hermitian=hermitian),
+                x,
+                rtol=1e-4,
+                atol=1e-4,
+            )

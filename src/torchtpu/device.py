@@ -196,6 +196,7 @@ sys.modules[__name__].__class__ = _DeviceModule
 # "allocate, then fill in place" composite).
 _FACTORIES = (
     "zeros",
+    "_efficientzerotensor",
     "ones",
     "full",
     "scalar_tensor",

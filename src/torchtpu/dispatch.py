@@ -6,8 +6,10 @@ For each op overload, once, a *handler* is chosen (`_choose`), in this order:
    metadata-only ops (``detach``, ``alias``) -- the few ops that are not computations;
 2. the op's lowering: a view op makes a tensor that shares storage (`_view`),
    any other op runs as a compiled plan (plans.py);
-3. for a mutating op (``add_``, ``add.out``, ``_foreach_mul_``), the lowering of its
-   functional variant, with the write-back compiled into the same function;
+3. for a mutating op, its functional variant: for an in-place op (``add_``,
+   ``_foreach_mul_``) its lowering, with the write-back compiled into the same
+   function; for an ``out=`` op (``add.out``), torch's meta checks and resizing of the
+   out tensors, the functional variant, then ``copy_`` into them;
 4. a decomposition: torch's own CompositeImplicitAutograd definition, else one from
    ``torch._decomp``, into ops that have lowerings;
 5. for a mutating op, its functional variant's decomposition followed by ``copy_``;
@@ -16,9 +18,12 @@ For each op overload, once, a *handler* is chosen (`_choose`), in this order:
 
 from __future__ import annotations
 
-import torch
+import math
 
-from torchtpu import backward_errors, counters, modes, plans, schema
+import torch
+from torch.utils._pytree import tree_map
+
+from torchtpu import backward_errors, counters, modes, out_tensors, plans, schema
 from torchtpu.errors import name_op
 from torchtpu.fallback import run_on_cpu
 from torchtpu.ops import TABLE
@@ -51,6 +56,8 @@ def dispatch(func, args, kwargs):
             handler = _HANDLERS[func] = _empty_stats_in_eval(handler, func)
         if func in _FACTORS_BY_LAYOUT:
             handler = _HANDLERS[func] = _factor_as_laid_out(handler)
+        if func not in _SPECIAL and any(a.name == "device" for a in func._schema.arguments):
+            handler = _HANDLERS[func] = _on_host_when_asked(handler)
     try:
         return handler(func, args, kwargs)
     except Exception as exc:
@@ -75,6 +82,28 @@ def _factor_as_laid_out(handler):
         return handler(func, args, kwargs)
 
     return as_laid_out
+
+
+def _on_host_when_asked(handler):
+    """Ops with a ``device`` argument make their result where it says: ``x.new_zeros(2,
+    device="cpu")`` and ``torch.linspace(tpu_start, 5, 4, device="cpu")`` are CPU
+    tensors, computed from tpu inputs copied to the host. (Not the CPU fallback: the
+    CPU is where the result was asked for.)"""
+
+    def on_host_when_asked(func, args, kwargs):
+        device = kwargs.get("device")
+        if device is not None and torch.device(device).type == "cpu":
+            return _run_on_host(func, args, kwargs)
+        return handler(func, args, kwargs)
+
+    return on_host_when_asked
+
+
+def _run_on_host(func, args, kwargs):
+    def host(x):
+        return to_host(materialize(x)) if isinstance(x, TPUTensor) else x
+
+    return func(*tree_map(host, args), **tree_map(host, kwargs))
 
 
 # Batch norm ops and the position of their `training` argument (None: always eval).
@@ -139,6 +168,12 @@ def _choose(func):
             return _view_handler(info, lowering)
         return _lowered_handler(info, lowering)
     functional = schema.functional_variant(func)
+    if functional is not None and (
+        info.out_args or not schema.same_argument_order(func, functional)
+    ):
+        # ``add.out`` (torch's meta kernel checks and resizes the out tensors first), or
+        # arguments to pass by name (``polygamma_``).
+        return _functional_then_copy_handler(info, functional)
     if functional is not None and functional in TABLE:
         if TABLE[functional].view:
             return _inplace_view_handler(functional)
@@ -199,6 +234,7 @@ def _functional_then_copy_handler(info, functional):
 
     def handler(func, args, kwargs):
         values = info.bind(args, kwargs)
+        out_tensors.check(info, values)
         functional_info = schema.info(functional)
         names = [a.name for a in functional_info.args]
         by_name = {a.name: v for a, v in zip(info.args, values)}
@@ -435,7 +471,7 @@ def _allocate(func, args, kwargs):
     if explicit is not None:
         explicit = torch.device(explicit)
         if explicit.type == "cpu":
-            return run_on_cpu(func, args, kwargs)
+            return _run_on_host(func, args, kwargs)
         device = explicit.index if explicit.index is not None else device
     meta = OutMeta(tuple(out.shape), tuple(out.stride()), out.dtype)
     return wrap(None, meta, device if device is not None else _current_device())
@@ -462,9 +498,44 @@ def _resize_(func, args, kwargs):
     keep = min(x.numel(), fresh.numel())
     if keep and x._storage.array is not None:
         fresh.view(-1)[:keep].copy_(x.reshape(-1)[:keep])
-    _restride(x, size, meta.stride(), 0)
+    # x's TensorImpl takes fresh's (data-less) storage too: torch checks sizes against
+    # it. Setting a storage has no tpu kernel; the Meta one is generic TensorImpl code.
+    aten.set_.source_Storage_storage_offset.redispatch(
+        torch._C.DispatchKeySet(torch._C.DispatchKey.Meta),
+        x,
+        fresh.untyped_storage(),
+        0,
+        size,
+        meta.stride(),
+    )
     x._storage, x._chain, x._meta = fresh._storage, fresh._chain, fresh._meta
     return x
+
+
+def _as_strided_scatter(func, args, kwargs):
+    """torch's definition, on tpu views: a copy of ``self`` laid out with its strides
+    (gaps included), ``src`` copied into its as_strided view. The memory positions are
+    those of that layout, so they must be real strides, not a lowering's values."""
+    x, src, size, stride, storage_offset = schema.info(func).bind(args, kwargs)
+    offset = storage_offset or 0
+    extent = _extent(x.shape, x.stride(), 0)
+    if _extent(size, stride, offset) > extent:
+        raise RuntimeError(
+            f"{func}: sizes {list(size)}, strides {list(stride)} and storage offset {offset} "
+            f"need {_extent(size, stride, offset)} elements; the input's layout holds {extent}"
+        )
+    memory = x.new_zeros(extent)
+    out = memory.as_strided(x.shape, x.stride())
+    out.copy_(x)
+    memory.as_strided(size, stride, offset).copy_(src)
+    return out
+
+
+def _extent(shape, strides, offset: int) -> int:
+    """How many elements of memory a strided layout spans (0 when it has none)."""
+    if math.prod(shape) == 0:
+        return 0
+    return offset + 1 + sum((n - 1) * s for n, s in zip(shape, strides))
 
 
 def _no_op_false(func, args, kwargs):
@@ -520,4 +591,5 @@ _SPECIAL = {
     aten._pin_memory.default: _identity,
     aten.record_stream.default: lambda func, args, kwargs: None,
     aten.set_.source_Tensor: _set_source_tensor,
+    aten.as_strided_scatter.default: _as_strided_scatter,
 }

@@ -566,15 +566,56 @@ _WRITES_EXPANDED = frozenset(
 )
 
 
-# Ops whose meta kernel checks what only the CUDA kernel requires (``_grouped_mm``:
-# bfloat16 inputs) while the CPU kernel, our reference, takes any float: JAX sizes them.
-_CUDA_ONLY_META = frozenset({torch.ops.aten._grouped_mm.default})
+# Ops whose meta kernel disagrees with the CPU kernel, our reference. _grouped_mm's
+# rejects what only the CUDA kernel requires (non-bfloat16 inputs): it is not run. The
+# margin losses' give one 1-d sample a loss of shape (1,) where the CPU's is 0-d: they
+# run, for torch's checks of the arguments, but JAX sizes the outputs.
+_META_REJECTS_WHAT_CPU_TAKES = frozenset({torch.ops.aten._grouped_mm.default})
+_META_SIZES_UNLIKE_CPU = frozenset(
+    {
+        torch.ops.aten.multi_margin_loss.default,
+        torch.ops.aten.multilabel_margin_loss_forward.default,
+    }
+)
+
+
+# Normalization ops whose outputs 1 and 2 are the mean and inverse std. For a 16-bit
+# input torch's CPU kernels return them in the input's dtype, or in float32 where a
+# parameter (weight, bias, running stats) is float32; the meta kernels follow CUDA's
+# (float32 for layer and batch norm, the input's dtype for group norm).
+_NORM_STATISTICS = frozenset(
+    {
+        torch.ops.aten.native_layer_norm.default,
+        torch.ops.aten.native_group_norm.default,
+        torch.ops.aten.native_batch_norm.default,
+        torch.ops.aten._native_batch_norm_legit.default,
+        torch.ops.aten._native_batch_norm_legit.no_stats,
+        torch.ops.aten._native_batch_norm_legit_functional.default,
+        torch.ops.aten._native_batch_norm_legit_no_training.default,
+        torch.ops.aten._batch_norm_with_update.default,
+        torch.ops.aten._batch_norm_with_update_functional.default,
+        torch.ops.aten._batch_norm_no_update.default,
+    }
+)
+
+
+def _cpu_statistics_dtype(outputs: list, args: dict) -> None:
+    x = args["input"]
+    if x.dtype not in (torch.float16, torch.bfloat16):
+        return
+    params = [args.get(n) for n in ("weight", "bias", "running_mean", "running_var")]
+    mixed = any(p is not None and p.dtype == torch.float32 for p in params)
+    for i in (1, 2):
+        if outputs[i] not in (None, _UNKNOWN):
+            outputs[i] = outputs[i]._replace(dtype=torch.float32 if mixed else x.dtype)
 
 
 def _build(op, lowering, info: SchemaInfo, sig: Signature) -> Plan:
     margs = meta_values(info, sig)
-    needs_meta = all(r.is_tensor for r in info.returns) and op not in _CUDA_ONLY_META
+    needs_meta = all(r.is_tensor for r in info.returns) and op not in _META_REJECTS_WHAT_CPU_TAKES
     meta_out = _run_meta(op, info, margs) if needs_meta else None
+    if op in _META_SIZES_UNLIKE_CPU:
+        meta_out = None
 
     # Targets of the lowering's outputs (Note [Plan outputs]): ("new", position) for a
     # value the compiled function returns, ("write", arg index, list position or None)
@@ -620,8 +661,11 @@ def _build(op, lowering, info: SchemaInfo, sig: Signature) -> Plan:
                     ("write", slot, tensor._chain, dtypes.to_jax(tensor.dtype), tuple(tensor.shape))
                 )
 
-    # Type promotion (Note [Type promotion policy] in ops/registry.py).
     names = [a.name for a in info.args]
+    if op in _NORM_STATISTICS:
+        _cpu_statistics_dtype(outputs, dict(zip(names, margs)))
+
+    # Type promotion (Note [Type promotion policy] in ops/registry.py).
     low_info = _lowering_info(lowering)
     promote_to = None
     promoting_set: set = set()

@@ -39,6 +39,7 @@ class SchemaInfo(NamedTuple):
     args: tuple[Arg, ...]
     returns: tuple[Return, ...]
     mutable: tuple[int, ...]  # indices of mutable args
+    out_args: tuple[int, ...]  # indices of the mutable args that are ``out=`` tensors
     is_view: bool  # returns alias an input without writing it
     all_tensor_returns: bool  # no Python numbers among the returns
 
@@ -139,6 +140,7 @@ def info(op: torch._ops.OpOverload) -> SchemaInfo:
         args=tuple(args),
         returns=tuple(returns),
         mutable=mutable,
+        out_args=tuple(i for i in mutable if schema.arguments[i].is_out),
         is_view=aliases_input and not any_write,
         all_tensor_returns=all(r.is_tensor for r in returns),
     )
@@ -150,6 +152,11 @@ def _signature(op, skip_mutable: bool) -> tuple:
         for a in op._schema.arguments
         if not (skip_mutable and a.alias_info is not None and a.alias_info.is_write and a.is_out)
     )
+
+
+def same_argument_order(op: torch._ops.OpOverload, functional: torch._ops.OpOverload) -> bool:
+    """Whether ``functional_variant(op)`` takes op's arguments (but ``out=``) in op's order."""
+    return _signature(op, skip_mutable=True) == _signature(functional, skip_mutable=False)
 
 
 @functools.cache
@@ -177,6 +184,8 @@ def functional_variant(op: torch._ops.OpOverload) -> torch._ops.OpOverload | Non
             candidate = getattr(packet, overload_name)
             if candidate is op or info(candidate).mutable:
                 continue
-            if _signature(candidate, skip_mutable=False) == wanted:
+            # The same arguments, maybe in another order (polygamma_(self, n) computes
+            # polygamma(n, self)).
+            if sorted(_signature(candidate, skip_mutable=False)) == sorted(wanted):
                 return candidate
     return None

@@ -15,6 +15,8 @@ from torchtpu.runtime import device, jax
 
 def to_device(cpu_tensor: torch.Tensor, index: int):
     """A JAX array on ``tpu:index`` holding a copy of ``cpu_tensor``'s values."""
+    if cpu_tensor.device.type != "cpu":  # a meta tensor has no values to copy
+        raise NotImplementedError(f"Cannot copy out of {cpu_tensor.device.type} tensor; no data!")
     t = cpu_tensor.detach()
     if t.is_conj():
         t = t.resolve_conj()

@@ -14,14 +14,17 @@ from torchtpu.ops import (  # noqa: E402, F401  (each module registers its lower
     fft,
     foreach,
     indexing,
+    ldl,
     linalg,
     linalg_solvers,
+    losses,
     misc,
     nn,
     random,
     reduction,
     shape,
     special,
+    upsample,
     views,
 )
 from torchtpu.ops.registry import TABLE, Lowering, aten, lowers  # noqa: E402

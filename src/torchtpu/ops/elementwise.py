@@ -15,7 +15,7 @@ from jax.scipy import special as jsp
 
 from torchtpu.checks import error_if
 from torchtpu.ops.registry import aten, lowers
-from torchtpu.ops.util import canonical_dim, cast
+from torchtpu.ops.util import canonical_dim, cast, complex_logaddexp
 
 
 def _is_int(x) -> bool:
@@ -81,7 +81,8 @@ def div_mode(self, other, rounding_mode=None):
     if _is_int(self):
         _check_int_divisor(other)
         if rounding_mode == "trunc":
-            return lax.div(self, jnp.where(other == 0, 1, other))
+            a, b = jnp.broadcast_arrays(self, jnp.where(other == 0, 1, other))
+            return lax.div(a, b)  # rounds toward zero, unlike jnp's floor division
         return jnp.floor_divide(self, jnp.where(other == 0, 1, other))
     if rounding_mode == "trunc":
         return jnp.trunc(self / other)
@@ -146,18 +147,25 @@ def pow_tensor_scalar(self, exponent):
 
 @lowers(aten.pow.Tensor_Tensor, promote="bool_to_long")
 def pow_tensor_tensor(self, exponent):
-    if _is_int(self):
-        error_if(
-            jnp.any(exponent < 0),
-            RuntimeError,
-            "Integers to negative integer powers are not allowed.",
-        )
-    return jnp.power(self, exponent)
+    return _power(self, exponent)
 
 
 @lowers(aten.pow.Scalar, promote="bool_to_long")
 def pow_scalar(self, exponent):
-    return jnp.power(self, exponent)
+    return _power(self, exponent)
+
+
+def _power(base, exponent):
+    if not (_is_int(base) and _is_int(exponent)):
+        return jnp.power(base, exponent)
+    # torch's integer pow: a negative exponent gives 1 for a base of 1, +-1 for -1 and
+    # 0 otherwise (only a negative Python-number exponent is an error).
+    base, exponent = jnp.broadcast_arrays(base, exponent)
+    negative = exponent < 0
+    result = jnp.power(base, jnp.where(negative, 0, exponent))
+    odd = (exponent % 2) != 0
+    reciprocal = jnp.where(base == 1, 1, jnp.where(base == -1, jnp.where(odd, -1, 1), 0))
+    return jnp.where(negative, reciprocal.astype(result.dtype), result)
 
 
 @lowers(aten.float_power.Tensor_Tensor, aten.float_power.Tensor_Scalar, aten.float_power.Scalar)
@@ -244,6 +252,12 @@ def frac(self):
 
 # -- float math ---------------------------------------------------------------------------------
 
+
+def _digamma(x):
+    # torch: -inf at +0 and +inf at -0 (the pole's sides), where JAX gives NaN
+    return jnp.where(x == 0, jnp.copysign(jnp.inf, -x).astype(x.dtype), jsp.digamma(x))
+
+
 _FLOAT_UNARY = {
     aten.exp.default: jnp.exp,
     aten.exp2.default: jnp.exp2,
@@ -269,9 +283,8 @@ _FLOAT_UNARY = {
     aten.sigmoid.default: jax.nn.sigmoid,
     aten.erf.default: jsp.erf,
     aten.erfc.default: jsp.erfc,
-    aten.erfinv.default: jsp.erfinv,
     aten.lgamma.default: jsp.gammaln,
-    aten.digamma.default: jsp.digamma,
+    aten.digamma.default: _digamma,
     aten.i0.default: jsp.i0,
     aten.special_i0e.default: jsp.i0e,
     aten.special_i1.default: jsp.i1,
@@ -289,6 +302,20 @@ _FLOAT_UNARY = {
 }
 for _op, _fn in _FLOAT_UNARY.items():
     lowers(_op, promote="int_to_float")(_fn)
+
+
+@lowers(aten.erfinv.default, promote="int_to_float")
+def erfinv(self):
+    # XLA's erf_inv is a polynomial up to ~50 ulp off near |x| = 1 in float32 and float64,
+    # where its gradient exp(y^2) magnifies the error. One Newton step on
+    # erfc(|y|) = 1 - |x| (exact there: Sterbenz) brings it to ~2 ulp, as torch's CPU
+    # kernel is; below |x| = 0.5 it is already that accurate.
+    x = self.astype(jnp.float32) if self.dtype in (jnp.float16, jnp.bfloat16) else self
+    y = jsp.erfinv(x)
+    a, b = jnp.abs(x), jnp.abs(y)
+    slope = cast(2 / math.sqrt(math.pi), x.dtype) * jnp.exp(-b * b)
+    refined = jnp.sign(y) * (b + (lax.erfc(b) - (1 - a)) / slope)
+    return jnp.where((a > 0.5) & jnp.isfinite(y), refined, y).astype(self.dtype)
 
 
 @lowers(aten.sinc.default, promote="int_to_float")
@@ -312,7 +339,7 @@ def logit(self, eps=None):
 @lowers(aten.polygamma.default, promote="int_to_float", promote_args=("self",))
 def polygamma(n, self):
     if n == 0:
-        return jsp.digamma(self)
+        return _digamma(self)
     if n == 1:
         return _trigamma(self)
     # psi^(n)(x) = (-1)^(n+1) n! zeta(n+1, x), as torch computes it for every x.
@@ -380,6 +407,8 @@ def nextafter(self, other):
 
 @lowers(aten.logaddexp.default, promote="int_to_float")
 def logaddexp(self, other):
+    if jnp.iscomplexobj(self):
+        return complex_logaddexp(self, other)
     return jnp.logaddexp(self, other)
 
 
@@ -438,6 +467,12 @@ def conj_physical(self):
 
 @lowers(aten.complex.default)
 def complex_(real, imag):
+    if real.dtype != imag.dtype:
+        names = {jnp.float16: "Half", jnp.float32: "Float", jnp.float64: "Double"}
+        raise RuntimeError(
+            f"Expected object of scalar type {names.get(real.dtype.type, real.dtype)} but got "
+            f"scalar type {names.get(imag.dtype.type, imag.dtype)} for second argument"
+        )
     return lax.complex(*jnp.broadcast_arrays(real, imag))
 
 

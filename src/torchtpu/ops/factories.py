@@ -18,7 +18,9 @@ def _dtype(dtype, fallback=jnp.float32):
     return dtypes.to_jax(dtype) if dtype is not None else fallback
 
 
-@lowers(aten.zeros.default)
+# torch's "zero tensor" (a gradient known to be zero, e.g. sgn's of a real input) is
+# an ordinary tensor of zeros here.
+@lowers(aten.zeros.default, aten._efficientzerotensor.default)
 def zeros(size, dtype=None, layout=None, device=None, pin_memory=None):
     return jnp.zeros(tuple(size), _dtype(dtype))
 

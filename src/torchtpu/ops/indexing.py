@@ -56,14 +56,14 @@ def _unsafe_index(self, indices):
 def index_put(self, indices, values, accumulate=False):
     where = _index_tuple(self, indices)
     values = cast(values, self.dtype)
-    return self.at[where].add(values) if accumulate else self.at[where].set(values)
+    return _add_at(self, where, values) if accumulate else self.at[where].set(values)
 
 
 @lowers(aten._unsafe_index_put.default)
 def _unsafe_index_put(self, indices, values, accumulate=False):
     where = tuple(slice(None) if i is None else i for i in indices)
     values = cast(values, self.dtype)
-    return self.at[where].add(values) if accumulate else self.at[where].set(values)
+    return _add_at(self, where, values) if accumulate else self.at[where].set(values)
 
 
 @lowers(aten._index_put_impl_.default)
@@ -90,12 +90,21 @@ def _along(self, dim, index):
 
 @lowers(aten.gather.default)
 def gather(self, dim, index, sparse_grad=False):
+    if index.size == 0:  # torch takes an empty index of any rank
+        return jnp.zeros(index.shape, self.dtype)
     if self.ndim == 0:
         return jnp.broadcast_to(self, index.shape)
     dim = canonical_dim(dim, self.ndim)
     _check_bounds(index, self.shape[dim], dim, exc=RuntimeError, negative=False)
     where, _ = _along(self, dim, index)
     return self[where]
+
+
+def _add_at(x, where, values):
+    """``x.at[where].add(values)``, adding bools as torch does (logical or)."""
+    if x.dtype == jnp.bool_:
+        return x.at[where].max(values.astype(jnp.bool_))
+    return x.at[where].add(values)
 
 
 def _scatter(self, dim, index, src, mode):
@@ -115,9 +124,9 @@ def _scatter(self, dim, index, src, mode):
     if mode == "set":
         return ref.set(src)
     if mode in ("add", "sum"):
-        return ref.add(src)
+        return _add_at(self, where, src)
     if mode in ("multiply", "prod"):
-        return ref.multiply(src)
+        return ref.min(src) if self.dtype == jnp.bool_ else ref.multiply(src)
     if mode == "amax":
         return ref.max(src)
     if mode == "amin":
@@ -142,8 +151,13 @@ def scatter_add(self, dim, index, src):
 
 @lowers(aten.scatter_reduce.two)
 def scatter_reduce(self, dim, index, src, reduce, include_self=True):
-    if self.ndim == 0 or index.size == 0:
+    if index.size == 0:
         return self
+    if self.ndim == 0:  # torch scatters into a 0-d tensor as into its one element
+        one = scatter_reduce(
+            self.reshape(1), 0, index.reshape(1), src.reshape(1), reduce, include_self
+        )
+        return one.reshape(())
     dim = canonical_dim(dim, self.ndim)
     _check_bounds(index, self.shape[dim], dim, exc=RuntimeError, negative=False)
     where, _ = _along(self, dim, index)
@@ -159,16 +173,13 @@ def scatter_reduce(self, dim, index, src, reduce, include_self=True):
             else total // count
         )
         return jnp.where(touched, mean, self).astype(self.dtype)
-    identity = {
-        "sum": 0,
-        "prod": 1,
-        "amax": jnp.finfo(self.dtype).min
-        if jnp.issubdtype(self.dtype, jnp.inexact)
-        else jnp.iinfo(self.dtype).min,
-        "amin": jnp.finfo(self.dtype).max
-        if jnp.issubdtype(self.dtype, jnp.inexact)
-        else jnp.iinfo(self.dtype).max,
-    }[reduce]
+    if self.dtype == jnp.bool_:
+        lowest, highest = False, True
+    elif jnp.issubdtype(self.dtype, jnp.inexact):
+        lowest, highest = jnp.finfo(self.dtype).min, jnp.finfo(self.dtype).max
+    else:
+        lowest, highest = jnp.iinfo(self.dtype).min, jnp.iinfo(self.dtype).max
+    identity = {"sum": 0, "prod": 1, "amax": lowest, "amin": highest}[reduce]
     base = self if include_self else jnp.where(touched, jnp.asarray(identity, self.dtype), self)
     if jnp.issubdtype(self.dtype, jnp.floating) and reduce in ("amax", "amin") and not include_self:
         base = jnp.where(touched, -jnp.inf if reduce == "amax" else jnp.inf, self)
@@ -180,6 +191,12 @@ def index_add(self, dim, index, source, alpha=1):
     if self.ndim == 0:
         return self + jnp.sum(source * alpha)
     dim = canonical_dim(dim, self.ndim)
+    others = [n for d, n in enumerate(self.shape) if d != dim]
+    if source.ndim != self.ndim or [n for d, n in enumerate(source.shape) if d != dim] != others:
+        raise RuntimeError(
+            "source tensor shape must match self tensor shape, excluding the specified "
+            f"dimension. Got self.shape = {list(self.shape)} source.shape = {list(source.shape)}"
+        )
     # torch's CPU kernel checks a 1-d self with an IndexError, others with a RuntimeError.
     if self.ndim == 1:
         _check_bounds(index, self.shape[0], 0, message="index out of range in self", negative=False)
@@ -189,7 +206,7 @@ def index_add(self, dim, index, source, alpha=1):
     source = cast(source, self.dtype)
     if not (isinstance(alpha, (int, float)) and alpha == 1):
         source = source * cast(alpha, self.dtype)
-    return self.at[where].add(source)
+    return _add_at(self, where, source)
 
 
 @lowers(aten.index_copy.default)
@@ -230,6 +247,10 @@ def diagonal_scatter(self, src, offset=0, dim1=0, dim2=1):
 
 @lowers(aten.masked_scatter.default)
 def masked_scatter(self, mask, source):
+    if mask.dtype != jnp.bool_:
+        raise RuntimeError(
+            f"masked_scatter_ only supports boolean masks, but got mask with dtype {mask.dtype}"
+        )
     # The out-of-place op broadcasts self and mask against each other (expand_outplace).
     self = jnp.broadcast_to(self, jnp.broadcast_shapes(self.shape, mask.shape))
     mask = jnp.broadcast_to(mask, self.shape).reshape(-1)
@@ -277,7 +298,7 @@ def put(self, index, source, accumulate=False):
     flat = self.reshape(-1)
     source = cast(source, self.dtype).reshape(-1)
     index = index.reshape(-1)
-    flat = flat.at[index].add(source) if accumulate else flat.at[index].set(source)
+    flat = _add_at(flat, index, source) if accumulate else flat.at[index].set(source)
     return flat.reshape(self.shape)
 
 
@@ -353,9 +374,21 @@ def _unique(self, axis):
     return _unique_sized(self, axis=axis, size=int(_unique_count(self, axis=axis)))
 
 
+def _only_asked(result, return_inverse, return_counts):
+    """(values, inverse, counts) with what was not asked for empty, as torch returns it."""
+    values, inverse, counts = result
+    nothing = jnp.zeros((0,), jnp.int64)
+    return values, inverse if return_inverse else nothing, counts if return_counts else nothing
+
+
+@lowers(aten._unique.default, dynamic_shape=True)
+def _unique_(self, sorted=True, return_inverse=False):
+    return _only_asked(_unique(self, None), return_inverse, False)[:2]
+
+
 @lowers(aten._unique2.default, dynamic_shape=True)
 def _unique2(self, sorted=True, return_inverse=False, return_counts=False):
-    return _unique(self, None)
+    return _only_asked(_unique(self, None), return_inverse, return_counts)
 
 
 @lowers(aten.unique_dim.default, dynamic_shape=True)
@@ -398,10 +431,11 @@ def _unique_consecutive_sized(self, axis, size):
 def unique_consecutive(self, return_inverse=False, return_counts=False, dim=None):
     axis = None if dim is None else canonical_dim(dim, self.ndim)
     if self.size == 0:
-        return _unique(self, axis)
-    return _unique_consecutive_sized(
-        self, axis=axis, size=int(_unique_consecutive_count(self, axis=axis))
-    )
+        result = _unique(self, axis)
+    else:
+        size = int(_unique_consecutive_count(self, axis=axis))
+        result = _unique_consecutive_sized(self, axis=axis, size=size)
+    return _only_asked(result, return_inverse, return_counts)
 
 
 @jax.jit

@@ -88,8 +88,8 @@ def _grouped_mm(self, mat2, offs=None, bias=None, out_dtype=None, *, precision):
     """
     if bias is not None:
         raise NotImplementedError("torchtpu: _grouped_mm with bias is not supported")
-    # No meta kernel sizes this op for float32 (plans._CUDA_ONLY_META): the lowering
-    # gives the result dtype itself.
+    # No meta kernel sizes this op for float32 (plans._META_REJECTS_WHAT_CPU_TAKES): the
+    # lowering gives the result dtype itself.
     result_dtype = dtypes.to_jax(out_dtype) if out_dtype is not None else self.dtype
     if self.dtype in _LOW_FLOATS:  # accumulate in float32, as _matmul does
         self, mat2 = self.astype(jnp.float32), mat2.astype(jnp.float32)

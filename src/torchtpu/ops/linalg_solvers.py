@@ -77,7 +77,7 @@ _INFO_ERRORS = (
 )  # fmt: skip
 
 
-def _check_info(info, api_name: str) -> None:
+def check_info(info, api_name: str) -> None:
     """Raise as torch's ``_linalg_check_errors`` does where ``info`` is nonzero.
 
     The message cannot name the failing index or batch element: checks carry static
@@ -97,7 +97,7 @@ def _check_info(info, api_name: str) -> None:
 
 @lowers(aten._linalg_check_errors.default)
 def _linalg_check_errors(info, api_name, is_matrix):
-    _check_info(info, api_name)
+    check_info(info, api_name)
     return ()
 
 
@@ -167,7 +167,7 @@ def linalg_lu_factor_ex(A, pivot, check_errors):
     _no_unpivoted_lu(pivot)
     lu, pivots, info = _lu_factor(A)
     if check_errors:
-        _check_info(info, "torch.linalg.lu_factor_ex")
+        check_info(info, "torch.linalg.lu_factor_ex")
     return lu, pivots, info
 
 
@@ -218,7 +218,7 @@ def linalg_lu_solve(LU, pivots, B, left, adjoint):
 def _linalg_solve_ex(A, B, left, check_errors):
     lu, pivots, info = _lu_factor(A)
     if check_errors:
-        _check_info(info, "torch.linalg.solve_ex")
+        check_info(info, "torch.linalg.solve_ex")
     vector_case = _is_vector_rhs(A, B)
     x = _lu_solve(lu, pivots, B[..., None] if vector_case else B, left)
     return (x[..., 0] if vector_case else x), lu, pivots, info
@@ -228,7 +228,7 @@ def _linalg_solve_ex(A, B, left, check_errors):
 def linalg_inv_ex(A, check_errors):
     lu, pivots, info = _lu_factor(A)
     if check_errors:
-        _check_info(info, "linalg.inv_ex")
+        check_info(info, "linalg.inv_ex")
     return _lu_solve(lu, pivots, _eye_like(A)), info
 
 
@@ -293,14 +293,14 @@ def _cholesky(a, upper):
 def linalg_cholesky_ex(self, upper, check_errors):
     factor, info = _cholesky(self, upper)
     if check_errors:
-        _check_info(info, "linalg.cholesky_ex")
+        check_info(info, "linalg.cholesky_ex")
     return factor, info
 
 
 @lowers(aten.cholesky.default)
 def cholesky(self, upper):
     factor, info = _cholesky(self, upper)
-    _check_info(info, "cholesky")
+    check_info(info, "cholesky")
     return factor
 
 
@@ -410,6 +410,8 @@ if runtime.platform() == "cpu":
 
 @lowers(aten.linalg_matrix_exp.default)
 def linalg_matrix_exp(self):
+    if self.dtype in (jnp.float16, jnp.bfloat16):  # JAX's expm takes neither
+        return jsp_linalg.expm(self.astype(jnp.float32)).astype(self.dtype)
     return jsp_linalg.expm(self)
 
 
@@ -447,6 +449,8 @@ def linalg_lstsq(self, b, rcond, driver):
     """Every driver's solution is the minimum-norm least-squares one (gels assumes full
     rank, where it is the same): computed from the SVD. The drivers differ in which of
     residuals, rank and singular values they report."""
+    if self.ndim < 2:
+        raise RuntimeError("torch.linalg.lstsq: input must have at least 2 dimensions.")
     driver = driver or "gelsy"
     if driver not in _LSTSQ_DRIVERS:
         raise RuntimeError(

@@ -557,6 +557,10 @@ def histogram_bins_tensor(self, bins, weight=None, density=False):
 @lowers(aten._histogramdd_from_bin_cts.default)
 def _histogramdd_from_bin_cts(self, bins, range=None, weight=None, density=False):
     _require_floating(self, "histogramdd")
+    if len(bins) != self.shape[-1]:
+        raise RuntimeError(
+            "histogramdd: The size of bins must be equal to the innermost dimension of the input."
+        )
     rows = self.reshape(-1, self.shape[-1])
     edges = _bin_count_edges(rows, bins, range)
     return _histogram(rows, edges, weight, density, _linear_search_bin)

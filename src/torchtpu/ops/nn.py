@@ -1,4 +1,4 @@
-"""Neural-network ops: convolution, pooling, normalisation, embedding, softmax, losses.
+"""Neural-network ops: convolution, pooling, normalisation, embedding, softmax, RNN cells.
 
 Where torch has a dedicated backward op, it is lowered as the JAX ``vjp`` of the
 forward lowering, so forward and backward cannot disagree.
@@ -16,13 +16,9 @@ from jax import lax
 
 from torchtpu.checks import error_if
 from torchtpu.ops.registry import aten, lowers
-from torchtpu.ops.util import canonical_dim
+from torchtpu.ops.util import canonical_dim, opmath
 
 _LOW_FLOATS = (jnp.float16, jnp.bfloat16)
-
-
-def _opmath(x):
-    return x.astype(jnp.float32) if x.dtype in _LOW_FLOATS else x
 
 
 def _tuple(value, n):
@@ -95,6 +91,15 @@ def _bias_shape(bias, ndim):
 def convolution(
     input, weight, bias, stride, padding, dilation, transposed, output_padding, groups, *, precision
 ):
+    # torch's ConvParams checks, which its meta kernel leaves to the device kernels
+    if any(s <= 0 for s in stride):
+        raise RuntimeError("non-positive stride is not supported")
+    if any(p < 0 for p in padding):
+        raise RuntimeError("negative padding is not supported")
+    if any(p < 0 for p in output_padding):
+        raise RuntimeError("negative output_padding is not supported")
+    if any(d <= 0 for d in dilation):
+        raise RuntimeError("dilation should be greater than zero")
     out = _conv(
         input, weight, stride, padding, dilation, transposed, output_padding, groups, precision
     )
@@ -124,7 +129,7 @@ def convolution_backward(
 
     _, vjp = jax.vjp(forward, input, weight)
     grad_input, grad_weight = vjp(grad_output.astype(input.dtype))
-    grad_bias = jnp.sum(_opmath(grad_output), axis=(0,) + tuple(range(2, grad_output.ndim))).astype(
+    grad_bias = jnp.sum(opmath(grad_output), axis=(0,) + tuple(range(2, grad_output.ndim))).astype(
         grad_output.dtype
     )
     return grad_input, grad_weight, grad_bias
@@ -233,7 +238,7 @@ def _avg_pool(
     self, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override, n
 ):
     kernel, stride, padding, dilation = _pool_args(kernel_size, stride, padding, 1, n)
-    x = _opmath(self)
+    x = opmath(self)
     windows, out = _windows(x, kernel, stride, padding, dilation, ceil_mode, 0)
     total = jnp.sum(windows, axis=0)
     if divisor_override:
@@ -378,6 +383,79 @@ def adaptive_max_pool3d_backward(grad_output, self, indices):
     return _max_pool_backward(grad_output, self, indices, 3)
 
 
+# Fractional max pooling (Graham 2014): windows of a fixed size whose starts follow a
+# pseudo-random sequence per plane, drawn from the op's random_samples input (so the
+# op itself is deterministic). Which sample drives which dim is torch's choice: W, H in
+# 2d and T, H, W in 3d.
+_FRACTIONAL_SAMPLE_OF_DIM = {2: (1, 0), 3: (0, 1, 2)}
+
+
+def _fractional_starts(sample, size, out, pool):
+    """torch's window starts (..., out) along a dim, from per-plane samples (...), in the
+    samples' dtype as torch's kernel computes them."""
+    last = jnp.full(sample.shape + (1,), size - pool, jnp.int64)
+    if out == 1:
+        return last
+    alpha = jnp.asarray(size - pool, sample.dtype) / jnp.asarray(out - 1, sample.dtype)
+    steps = jnp.arange(out - 1, dtype=sample.dtype)
+    starts = ((steps + sample[..., None]) * alpha).astype(jnp.int64)
+    starts = starts - (sample * alpha).astype(jnp.int64)[..., None]
+    return jnp.concatenate([starts, last], axis=-1)
+
+
+def _fractional_max_pool(self, kernel_size, output_size, random_samples, n):
+    batched = self if self.ndim == n + 2 else self[None]
+    samples = random_samples.reshape(batched.shape[:2] + (n,))
+    spatial = batched.shape[2:]
+    pools, outs = _tuple(kernel_size, n), _tuple(output_size, n)
+    # Window element positions, broadcast to (N, C, out_1..out_n, pool_1..pool_n).
+    index = [
+        jnp.arange(batched.shape[0]).reshape((-1,) + (1,) * (2 * n + 1)),
+        jnp.arange(batched.shape[1]).reshape((1, -1) + (1,) * (2 * n)),
+    ]
+    flat = 0
+    for d, which in enumerate(_FRACTIONAL_SAMPLE_OF_DIM[n]):
+        starts = _fractional_starts(samples[..., which], spatial[d], outs[d], pools[d])
+        shape = list(batched.shape[:2]) + [1] * (2 * n)
+        shape[2 + d], shape[2 + n + d] = outs[d], pools[d]
+        position = (starts[..., None] + jnp.arange(pools[d])).reshape(shape)
+        index.append(position)
+        flat = flat * spatial[d] + position
+    windows = batched[tuple(index)]
+    window_shape = windows.shape[: 2 + n] + (-1,)
+    windows = windows.reshape(window_shape)
+    flat = jnp.broadcast_to(flat, windows.shape[:-1] + tuple(pools)).reshape(window_shape)
+    # torch keeps the first of equal maxima, but the last NaN.
+    nan = jnp.isnan(windows)
+    last_nan = windows.shape[-1] - 1 - jnp.argmax(nan[..., ::-1], axis=-1)
+    which = jnp.where(jnp.any(nan, axis=-1), last_nan, jnp.argmax(windows, axis=-1))
+    values = jnp.take_along_axis(windows, which[..., None], axis=-1)[..., 0]
+    indices = jnp.take_along_axis(flat, which[..., None], axis=-1)[..., 0]
+    if self.ndim != n + 2:
+        values, indices = values[0], indices[0]
+    return values, indices
+
+
+@lowers(aten.fractional_max_pool2d.default)
+def fractional_max_pool2d(self, kernel_size, output_size, random_samples):
+    return _fractional_max_pool(self, kernel_size, output_size, random_samples, 2)
+
+
+@lowers(aten.fractional_max_pool3d.default)
+def fractional_max_pool3d(self, kernel_size, output_size, random_samples):
+    return _fractional_max_pool(self, kernel_size, output_size, random_samples, 3)
+
+
+@lowers(aten.fractional_max_pool2d_backward.default)
+def fractional_max_pool2d_backward(grad_output, self, kernel_size, output_size, indices):
+    return _max_pool_backward(grad_output, self, indices, 2)
+
+
+@lowers(aten.fractional_max_pool3d_backward.default)
+def fractional_max_pool3d_backward(grad_output, self, kernel_size, output_size, indices):
+    return _max_pool_backward(grad_output, self, indices, 3)
+
+
 def _adaptive_matrix(size, out, dtype):
     """(out, size) averaging weights of torch's adaptive bins."""
     rows = []
@@ -393,7 +471,7 @@ def _adaptive_matrix(size, out, dtype):
 
 def _adaptive_avg_pool(self, output_size, n):
     output_size = _tuple(output_size, n)
-    x = _opmath(self)
+    x = opmath(self)
     for i in range(n):
         axis = self.ndim - n + i
         m = _adaptive_matrix(self.shape[axis], output_size[i], x.dtype)
@@ -544,7 +622,7 @@ def grid_sampler_backward(
 
 
 def _batch_norm_train(input, weight, bias, eps):
-    x = _opmath(input)
+    x = opmath(input)
     axes = (0,) + tuple(range(2, input.ndim))
     mean = jnp.mean(x, axis=axes)
     var = jnp.mean(jnp.square(x - _bias_shape(mean, x.ndim)), axis=axes)
@@ -574,9 +652,9 @@ def _batch_norm_eval(input, weight, bias, running_mean, running_var, eps):
     # torch's meta kernels size the saved mean and invstd (C,) in eval mode too (CPU
     # kernels return them empty), and outputs take the meta shapes: they are the
     # running statistics here, which no backward reads.
-    x = _opmath(input)
-    mean = _opmath(running_mean)
-    invstd = lax.rsqrt(_opmath(running_var) + eps)
+    x = opmath(input)
+    mean = opmath(running_mean)
+    invstd = lax.rsqrt(opmath(running_var) + eps)
     return _normalise(x, mean, invstd, weight, bias).astype(input.dtype), mean, invstd
 
 
@@ -643,14 +721,14 @@ def _normalisation_grads(g, xhat, invstd, w, axes):
 def _batch_norm_grads(
     grad_out, input, weight, running_mean, running_var, save_mean, save_invstd, train, eps
 ):
-    x, g = _opmath(input), _opmath(grad_out)
+    x, g = opmath(input), opmath(grad_out)
     axes = (0,) + tuple(range(2, x.ndim))
     if train:
-        mean, invstd = _opmath(save_mean), _opmath(save_invstd)
+        mean, invstd = opmath(save_mean), opmath(save_invstd)
     else:
-        mean, invstd = _opmath(running_mean), lax.rsqrt(_opmath(running_var) + eps)
+        mean, invstd = opmath(running_mean), lax.rsqrt(opmath(running_var) + eps)
     mean, invstd = _bias_shape(mean, x.ndim), _bias_shape(invstd, x.ndim)
-    w = None if weight is None else _bias_shape(_opmath(weight), x.ndim)
+    w = None if weight is None else _bias_shape(opmath(weight), x.ndim)
     xhat = (x - mean) * invstd
     if train:
         grad_input = _normalisation_grads(g, xhat, invstd, w, axes)
@@ -700,16 +778,16 @@ def batch_norm_backward(
 
 
 def _layer_norm(input, normalized_shape, weight, bias, eps):
-    x = _opmath(input)
+    x = opmath(input)
     axes = tuple(range(input.ndim - len(normalized_shape), input.ndim))
     mean = jnp.mean(x, axis=axes, keepdims=True)
     var = jnp.mean(jnp.square(x - mean), axis=axes, keepdims=True)
     rstd = lax.rsqrt(var + eps)
     out = (x - mean) * rstd
     if weight is not None:
-        out = out * _opmath(weight)
+        out = out * opmath(weight)
     if bias is not None:
-        out = out + _opmath(bias)
+        out = out + opmath(bias)
     return out.astype(input.dtype), mean, rstd
 
 
@@ -722,12 +800,12 @@ def native_layer_norm(input, normalized_shape, weight, bias, eps):
 def native_layer_norm_backward(
     grad_out, input, normalized_shape, mean, rstd, weight, bias, output_mask
 ):
-    x, g = _opmath(input), _opmath(grad_out)
+    x, g = opmath(input), opmath(grad_out)
     k = len(normalized_shape)
     axes = tuple(range(x.ndim - k, x.ndim))
     lead = tuple(range(x.ndim - k))
     xhat = (x - mean) * rstd
-    w = None if weight is None else _opmath(weight)
+    w = None if weight is None else opmath(weight)
     grad_input = _normalisation_grads(g, xhat, rstd, w, axes)
     grad_weight = jnp.sum(g * xhat, axis=lead) if weight is not None else None
     grad_bias = jnp.sum(g, axis=lead) if bias is not None else None
@@ -736,16 +814,16 @@ def native_layer_norm_backward(
 
 def _group_norm(input, weight, bias, N, C, HxW, group, eps):
     # (Sizes spelt out: an empty batch leaves nothing to infer a -1 from.)
-    x = _opmath(input).reshape(N, group, C // group * HxW)
+    x = opmath(input).reshape(N, group, C // group * HxW)
     mean = jnp.mean(x, axis=-1)
     var = jnp.mean(jnp.square(x - mean[..., None]), axis=-1)
     rstd = lax.rsqrt(var + eps)
     out = ((x - mean[..., None]) * rstd[..., None]).reshape(input.shape)
     shape = (1, C) + (1,) * (input.ndim - 2)
     if weight is not None:
-        out = out * _opmath(weight).reshape(shape)
+        out = out * opmath(weight).reshape(shape)
     if bias is not None:
-        out = out + _opmath(bias).reshape(shape)
+        out = out + opmath(bias).reshape(shape)
     return out.astype(input.dtype), mean, rstd
 
 
@@ -756,11 +834,11 @@ def native_group_norm(input, weight, bias, N, C, HxW, group, eps):
 
 @lowers(aten.native_group_norm_backward.default)
 def native_group_norm_backward(grad_out, input, mean, rstd, weight, N, C, HxW, group, output_mask):
-    x = _opmath(input).reshape(N, group, C // group, -1)
-    g = _opmath(grad_out).reshape(x.shape)
+    x = opmath(input).reshape(N, group, C // group, -1)
+    g = opmath(grad_out).reshape(x.shape)
     m, r = mean[:, :, None, None], rstd[:, :, None, None]
     xhat = (x - m) * r
-    w = None if weight is None else _opmath(weight).reshape(1, group, C // group, 1)
+    w = None if weight is None else opmath(weight).reshape(1, group, C // group, 1)
     grad_input = _normalisation_grads(g, xhat, r, w, (2, 3)).reshape(input.shape)
     grad_weight = jnp.sum(g * xhat, axis=(0, 3)).reshape(C)
     grad_bias = jnp.sum(g, axis=(0, 3)).reshape(C)
@@ -769,14 +847,14 @@ def native_group_norm_backward(grad_out, input, mean, rstd, weight, N, C, HxW, g
 
 @lowers(aten._fused_rms_norm.default)
 def _fused_rms_norm(input, normalized_shape, weight, eps):
-    x = _opmath(input)
+    x = opmath(input)
     axes = tuple(range(input.ndim - len(normalized_shape), input.ndim))
     if eps is None:
         eps = float(jnp.finfo(x.dtype).eps)
     rstd = lax.rsqrt(jnp.mean(x * x, axis=axes, keepdims=True) + eps)
     out = x * rstd
     if weight is not None:
-        out = out * _opmath(weight)
+        out = out * opmath(weight)
     return out.astype(input.dtype), rstd
 
 
@@ -794,7 +872,7 @@ def embedding(weight, indices, padding_idx=-1, scale_grad_by_freq=False, sparse=
 def embedding_renorm(self, indices, max_norm, norm_type):
     # The rows that ``indices`` use are scaled down to a norm of at most max_norm,
     # with torch's 1e-7 slack; other rows are left alone.
-    x = _opmath(self)
+    x = opmath(self)
     norms = jnp.sum(jnp.abs(x) ** norm_type, axis=1, keepdims=True) ** (1.0 / norm_type)
     used = jnp.zeros((self.shape[0], 1), bool).at[indices.reshape(-1)].set(True)
     scale = jnp.where(used & (norms > max_norm), max_norm / (norms + 1e-7), 1.0)
@@ -804,7 +882,7 @@ def embedding_renorm(self, indices, max_norm, norm_type):
 @lowers(aten.embedding_dense_backward.default)
 def embedding_dense_backward(grad_output, indices, num_weights, padding_idx, scale_grad_by_freq):
     idx = indices.reshape(-1)
-    grad = _opmath(grad_output).reshape(idx.shape[0], -1)
+    grad = opmath(grad_output).reshape(idx.shape[0], -1)
     if padding_idx >= 0:
         grad = jnp.where((idx == padding_idx)[:, None], 0, grad)
     if scale_grad_by_freq:
@@ -819,7 +897,7 @@ def embedding_dense_backward(grad_output, indices, num_weights, padding_idx, sca
 
 @lowers(aten._softmax.default)
 def _softmax(self, dim, half_to_float):
-    x = _opmath(self)
+    x = opmath(self)
     if x.ndim == 0:
         return jnp.ones_like(x)
     return jax.nn.softmax(x, axis=canonical_dim(dim, self.ndim))
@@ -827,7 +905,7 @@ def _softmax(self, dim, half_to_float):
 
 @lowers(aten._log_softmax.default)
 def _log_softmax(self, dim, half_to_float):
-    x = _opmath(self)
+    x = opmath(self)
     if x.ndim == 0:
         return jnp.zeros_like(x)
     return jax.nn.log_softmax(x, axis=canonical_dim(dim, self.ndim))
@@ -835,7 +913,7 @@ def _log_softmax(self, dim, half_to_float):
 
 @lowers(aten._softmax_backward_data.default)
 def _softmax_backward_data(grad_output, output, dim, input_dtype):
-    g, y = _opmath(grad_output), _opmath(output)
+    g, y = opmath(grad_output), opmath(output)
     if y.ndim == 0:
         return jnp.zeros_like(g)
     axis = canonical_dim(dim, y.ndim)
@@ -844,161 +922,11 @@ def _softmax_backward_data(grad_output, output, dim, input_dtype):
 
 @lowers(aten._log_softmax_backward_data.default)
 def _log_softmax_backward_data(grad_output, output, dim, input_dtype):
-    g, y = _opmath(grad_output), _opmath(output)
+    g, y = opmath(grad_output), opmath(output)
     if y.ndim == 0:
         return jnp.zeros_like(g)
     axis = canonical_dim(dim, y.ndim)
     return g - jnp.exp(y) * jnp.sum(g, axis=axis, keepdims=True)
-
-
-# -- losses -------------------------------------------------------------------------------------
-
-_NONE, _MEAN, _SUM = 0, 1, 2
-
-
-def _reduce(loss, reduction):
-    if reduction == _MEAN:
-        return jnp.mean(loss)
-    if reduction == _SUM:
-        return jnp.sum(loss)
-    return loss
-
-
-def _nll_parts(self, target, weight, ignore_index):
-    """Per-element -w * x[target] and w, with the class dim at 1 (or 0 for 1-d)."""
-    class_dim = 0 if self.ndim == 1 else 1
-    n_classes = self.shape[class_dim]
-    valid = target != ignore_index
-    error_if(
-        jnp.any(valid & ((target < 0) | (target >= n_classes))),
-        IndexError,
-        f"Target is out of bounds (must be in [0, {n_classes}))",
-    )
-    safe = jnp.where(valid, target, 0)
-    picked = jnp.take_along_axis(self, jnp.expand_dims(safe, class_dim), axis=class_dim).squeeze(
-        class_dim
-    )
-    w = jnp.ones((n_classes,), self.dtype) if weight is None else weight.astype(self.dtype)
-    w = jnp.where(valid, w[safe], 0)
-    return -picked * w, w
-
-
-def _nll_forward(self, target, weight, reduction, ignore_index):
-    loss, w = _nll_parts(self, target, weight, ignore_index)
-    total = jnp.sum(w)
-    if reduction == _MEAN:
-        return jnp.sum(loss) / total, total
-    if reduction == _SUM:
-        return jnp.sum(loss), total
-    return loss, total
-
-
-@lowers(aten.nll_loss_forward.default, aten.nll_loss2d_forward.default)
-def nll_loss_forward(self, target, weight, reduction, ignore_index):
-    return _nll_forward(self, target, weight, reduction, ignore_index)
-
-
-@lowers(aten.nll_loss_backward.default, aten.nll_loss2d_backward.default)
-def nll_loss_backward(grad_output, self, target, weight, reduction, ignore_index, total_weight):
-    _, vjp = jax.vjp(lambda x: _nll_forward(x, target, weight, reduction, ignore_index)[0], self)
-    return vjp(grad_output.astype(self.dtype))[0]
-
-
-@lowers(aten.mse_loss.default, promote="default")
-def mse_loss(self, target, reduction=_MEAN):
-    return _reduce(jnp.square(self - target), reduction)
-
-
-@lowers(aten.mse_loss_backward.default, promote="default")
-def mse_loss_backward(grad_output, self, target, reduction):
-    scale = 2.0 / self.size if reduction == _MEAN else 2.0
-    return scale * (self - target) * grad_output
-
-
-def _bce(self, target, weight):
-    # torch clamps the logs at -100 so that 0 * log(0) stays finite.
-    log_p = jnp.maximum(jnp.log(self), -100.0)
-    log_1mp = jnp.maximum(jnp.log1p(-self), -100.0)
-    loss = -(target * log_p + (1 - target) * log_1mp)
-    return loss if weight is None else loss * weight
-
-
-@lowers(aten.binary_cross_entropy.default)
-def binary_cross_entropy(self, target, weight=None, reduction=_MEAN):
-    x = _opmath(self)
-    return _reduce(_bce(x, _opmath(target), weight), reduction)
-
-
-@lowers(aten.binary_cross_entropy_backward.default)
-def binary_cross_entropy_backward(grad_output, self, target, weight=None, reduction=_MEAN):
-    eps = 1e-12
-    x, t = _opmath(self), _opmath(target)
-    grad = (x - t) / jnp.maximum((1 - x) * x, eps)
-    if weight is not None:
-        grad = grad * weight
-    if reduction == _MEAN:
-        grad = grad / self.size
-    return grad * grad_output
-
-
-@lowers(aten.binary_cross_entropy_with_logits.default)
-def binary_cross_entropy_with_logits(self, target, weight=None, pos_weight=None, reduction=_MEAN):
-    x, t = _opmath(self), _opmath(target)
-    log_sig = jax.nn.log_sigmoid(x)
-    log_one_minus = jax.nn.log_sigmoid(-x)
-    if pos_weight is not None:
-        loss = -(pos_weight * t * log_sig + (1 - t) * log_one_minus)
-    else:
-        loss = -(t * log_sig + (1 - t) * log_one_minus)
-    if weight is not None:
-        loss = loss * weight
-    return _reduce(loss, reduction)
-
-
-@lowers(aten.smooth_l1_loss.default, promote="default")
-def smooth_l1_loss(self, target, reduction=_MEAN, beta=1.0):
-    diff = jnp.abs(self - target)
-    loss = (
-        diff - 0.5 * beta
-        if beta == 0
-        else jnp.where(diff < beta, 0.5 * diff * diff / beta, diff - 0.5 * beta)
-    )
-    return _reduce(loss, reduction)
-
-
-@lowers(
-    aten.smooth_l1_loss_backward.default,
-    promote="default",
-    promote_args=("grad_output", "self", "target"),
-)
-def smooth_l1_loss_backward(grad_output, self, target, reduction, beta):
-    x = self - target
-    norm = 1.0 / x.size if reduction == _MEAN else 1.0
-    if beta == 0:
-        # torch's kernel takes x >= beta first: the slope at x = 0 is +1, not 0.
-        slope = jnp.where(x < 0, -1.0, 1.0)
-    else:
-        slope = jnp.clip(x / beta, -1.0, 1.0)
-    return (norm * slope).astype(x.dtype) * grad_output
-
-
-@lowers(aten.huber_loss.default, promote="default")
-def huber_loss(self, target, reduction=_MEAN, delta=1.0):
-    diff = jnp.abs(self - target)
-    loss = jnp.where(diff < delta, 0.5 * diff * diff, delta * (diff - 0.5 * delta))
-    return _reduce(loss, reduction)
-
-
-@lowers(
-    aten.huber_loss_backward.default,
-    promote="default",
-    promote_args=("grad_output", "self", "target"),
-)
-def huber_loss_backward(grad_output, self, target, reduction, delta):
-    x = self - target
-    norm = 1.0 / x.size if reduction == _MEAN else 1.0
-    slope = jnp.clip(x, -delta, delta)
-    return (norm * slope).astype(x.dtype) * grad_output
 
 
 # -- fused recurrent cells (torch's LSTM/GRU use these on accelerator devices) --------------------
@@ -1082,117 +1010,3 @@ def _weight_norm_interface_backward(grad_w, saved_v, saved_g, saved_norms, dim):
     grad_g = jnp.sum(grad_w * saved_v, axis=axes, keepdims=True) / saved_norms
     grad_v = (saved_g / saved_norms) * (grad_w - saved_v * (grad_g / saved_norms))
     return grad_v, grad_g.reshape(saved_g.shape)
-
-
-# -- CTC loss ------------------------------------------------------------------------------
-#
-# The forward (alpha) recursion of Graves et al. over the targets interleaved with
-# blanks, one lax.scan step per time step. log_alpha is (N, T, 2 * S + 1) with S the
-# padded target width -- torch sizes it by the longest target; only the backward
-# reads it, and ours recomputes the recursion instead.
-
-
-def _ctc_padded_targets(targets, target_lengths):
-    """(N, S) targets: as given, or cut from the concatenated 1-d form."""
-    if targets.ndim == 2:
-        return targets
-    starts = jnp.cumsum(target_lengths) - target_lengths
-    index = starts[:, None] + jnp.arange(targets.shape[0])[None, :]
-    return targets[jnp.clip(index, 0, max(targets.shape[0] - 1, 0))]
-
-
-def _log_add(a, b):
-    """log(exp(a) + exp(b)) whose gradient is 0, not NaN, where both are -inf
-    (alignments that cannot happen), as jnp.logaddexp's is not."""
-    top = jnp.maximum(a, b)
-    finite = jnp.isfinite(top)
-    shift = jnp.where(finite, top, 0)
-    total = jnp.where(finite, jnp.exp(a - shift) + jnp.exp(b - shift), 1)
-    return jnp.where(finite, shift + jnp.log(total), top)
-
-
-def _ctc_alphas(log_probs, targets, input_lengths, target_lengths, blank):
-    """The log_alpha of every step (T, N, L) and the loss (N,) of (T, N, C) log_probs."""
-    targets = _ctc_padded_targets(targets, target_lengths)
-    n, width = targets.shape
-    extended = jnp.full((n, 2 * width + 1), blank, targets.dtype).at[:, 1::2].set(targets)
-    position = jnp.arange(extended.shape[1])
-    lengths = 2 * target_lengths[:, None] + 1
-    valid = position[None, :] < lengths
-    before_previous = jnp.pad(extended, ((0, 0), (2, 0)), constant_values=blank)[:, :-2]
-    # A label may follow the previous label directly unless the two are equal.
-    can_skip = (position % 2 == 1) & (position >= 2) & (extended != before_previous)
-    emissions = jnp.take_along_axis(
-        log_probs, jnp.broadcast_to(extended, (log_probs.shape[0],) + extended.shape), axis=2
-    )
-    neg_inf = jnp.asarray(-jnp.inf, log_probs.dtype)
-    first = jnp.where(valid & (position < 2), emissions[0], neg_inf)
-
-    def step(alpha, inputs):
-        t, emission = inputs
-        stay = alpha
-        advance = jnp.pad(alpha, ((0, 0), (1, 0)), constant_values=-jnp.inf)[:, :-1]
-        skip = jnp.where(
-            can_skip, jnp.pad(alpha, ((0, 0), (2, 0)), constant_values=-jnp.inf)[:, :-2], neg_inf
-        )
-        new = _log_add(_log_add(stay, advance), skip) + emission
-        new = jnp.where(valid, new, neg_inf)
-        # Past an input's length its alphas stay those of its last step.
-        new = jnp.where((t < input_lengths)[:, None], new, alpha)
-        return new, new
-
-    steps = jnp.arange(1, log_probs.shape[0])
-    last, rest = lax.scan(step, first, (steps, emissions[1:]))
-    alphas = jnp.concatenate([first[None], rest], axis=0)
-    end = lengths - 1
-    final = jnp.take_along_axis(last, end, axis=1)[:, 0]
-    before_end = jnp.take_along_axis(last, jnp.maximum(end - 1, 0), axis=1)[:, 0]
-    before_end = jnp.where(end[:, 0] > 0, before_end, neg_inf)
-    return alphas, -_log_add(final, before_end)
-
-
-def _as_batched(log_probs):
-    return log_probs if log_probs.ndim == 3 else log_probs[:, None, :]
-
-
-@lowers(aten._ctc_loss.Tensor)
-def _ctc_loss_Tensor(
-    log_probs, targets, input_lengths, target_lengths, blank=0, zero_infinity=False
-):
-    alphas, loss = _ctc_alphas(
-        _as_batched(log_probs), targets, input_lengths, target_lengths, blank
-    )
-    if log_probs.ndim == 2:
-        loss = loss[0]
-    return loss, jnp.moveaxis(alphas, 0, 1)
-
-
-@lowers(aten._ctc_loss_backward.Tensor)
-def _ctc_loss_backward_Tensor(
-    grad,
-    log_probs,
-    targets,
-    input_lengths,
-    target_lengths,
-    neg_log_likelihood,
-    log_alpha,
-    blank,
-    zero_infinity=False,
-):
-    batched = _as_batched(log_probs)
-
-    def total_loss(lp):
-        return jnp.sum(_ctc_alphas(lp, targets, input_lengths, target_lengths, blank)[1])
-
-    # torch's kernel returns the gradient with respect to the logits under a
-    # log_softmax (exp(log_probs) - posterior), which log_softmax's backward then
-    # leaves unchanged; so does this one.
-    result = jnp.exp(batched) + jax.grad(total_loss)(batched)
-    result = result * jnp.reshape(grad, (1, -1, 1))
-    result = jnp.where(
-        jnp.arange(batched.shape[0])[:, None, None] < input_lengths[None, :, None], result, 0
-    )
-    if zero_infinity:
-        infinite = jnp.isinf(jnp.reshape(neg_log_likelihood, (-1,)))
-        result = jnp.where(infinite[None, :, None], 0, result)
-    return result.reshape(log_probs.shape)

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
+from torchtpu.checks import error_if
 from torchtpu.ops.registry import aten, lowers
 
 
@@ -41,6 +43,16 @@ def normal_tensor_tensor(mean, std, generator=None, *, key):
 
 @lowers(aten.uniform_.default, random=True)
 def uniform_(self, from_=0.0, to=1.0, generator=None, *, key):
+    error_if(
+        from_ > to,
+        RuntimeError,
+        "uniform_ expects to return a [from, to) range, but found from > to",
+    )
+    if jnp.issubdtype(self.dtype, jnp.complexfloating):
+        # torch draws the real and imaginary parts each from [from, to)
+        part = jnp.finfo(self.dtype).dtype
+        pair = jax.random.uniform(key, self.shape + (2,), part, minval=from_, maxval=to)
+        return lax.complex(pair[..., 0], pair[..., 1])
     work = _float_work(self.dtype)
     return jax.random.uniform(key, self.shape, work, minval=from_, maxval=to).astype(self.dtype)
 
@@ -141,13 +153,45 @@ def native_dropout(input, p, train, *, key):
     return jnp.where(keep, input * scale, jnp.zeros((), input.dtype)), keep
 
 
-@lowers(aten.native_dropout_backward.default)
+@lowers(
+    aten.native_dropout_backward.default, promote="default", promote_args=("grad_output", "scale")
+)
 def native_dropout_backward(grad_output, mask, scale):
     return grad_output * mask.astype(grad_output.dtype) * jnp.asarray(scale, grad_output.dtype)
 
 
+def _check_multinomial(self, num_samples, replacement):
+    """torch's checks of multinomial's arguments, and of the probabilities' values."""
+    if not jnp.issubdtype(self.dtype, jnp.floating):
+        raise RuntimeError(
+            f"multinomial only supports floating-point dtypes for input, got: {self.dtype}"
+        )
+    if self.ndim not in (1, 2):
+        raise RuntimeError("prob_dist must be 1 or 2 dim")
+    categories = self.shape[-1]
+    if categories > 2**24:
+        raise RuntimeError("number of categories cannot exceed 2^24")
+    if num_samples <= 0:
+        raise RuntimeError("cannot sample n_sample <= 0 samples")
+    if not replacement and num_samples > categories:
+        raise RuntimeError(
+            "cannot sample n_sample > prob_dist.size(-1) samples without replacement"
+        )
+    error_if(
+        jnp.any(~jnp.isfinite(self) | (self < 0)),
+        RuntimeError,
+        "probability tensor contains either `inf`, `nan` or element < 0",
+    )
+    error_if(
+        jnp.any(jnp.sum(self, axis=-1) <= 0),
+        RuntimeError,
+        "invalid multinomial distribution (sum of probabilities <= 0)",
+    )
+
+
 @lowers(aten.multinomial.default, random=True)
 def multinomial(self, num_samples, replacement=False, generator=None, *, key):
+    _check_multinomial(self, num_samples, replacement)
     logits = jnp.log(self.astype(jnp.float64) if self.dtype != jnp.float64 else self)
     if replacement:
         shape = (num_samples,) + self.shape[:-1]

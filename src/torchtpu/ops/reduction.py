@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from torchtpu.ops.registry import aten, lowers
-from torchtpu.ops.util import canonical_dim, canonical_dims
+from torchtpu.ops.util import canonical_dim, canonical_dims, complex_logaddexp, opmath
 
 
 def _axes(self, dim):
@@ -170,26 +170,28 @@ def _variance(self, dim, correction, keepdim):
     return var, (mean if keepdim else jnp.squeeze(mean, axes) if axes else mean.reshape(()))
 
 
-@lowers(aten.var.correction, compute_in_result=("self",))
+# The variance of a complex tensor is real: these compute in the input's opmath dtype,
+# not in the result's (which would drop the imaginary parts first).
+
+
+@lowers(aten.var.correction)
 def var(self, dim=None, correction=None, keepdim=False):
-    return _variance(self, dim, correction, keepdim)[0]
+    return _variance(opmath(self), dim, correction, keepdim)[0]
 
 
-@lowers(aten.std.correction, compute_in_result=("self",))
+@lowers(aten.std.correction)
 def std(self, dim=None, correction=None, keepdim=False):
-    return jnp.sqrt(_variance(self, dim, correction, keepdim)[0])
+    return jnp.sqrt(_variance(opmath(self), dim, correction, keepdim)[0])
 
 
 @lowers(aten.var_mean.correction)
 def var_mean(self, dim=None, correction=None, keepdim=False):
-    x = self.astype(jnp.float32) if self.dtype in (jnp.float16, jnp.bfloat16) else self
-    return _variance(x, dim, correction, keepdim)
+    return _variance(opmath(self), dim, correction, keepdim)
 
 
 @lowers(aten.std_mean.correction)
 def std_mean(self, dim=None, correction=None, keepdim=False):
-    x = self.astype(jnp.float32) if self.dtype in (jnp.float16, jnp.bfloat16) else self
-    var, mean = _variance(x, dim, correction, keepdim)
+    var, mean = _variance(opmath(self), dim, correction, keepdim)
     return jnp.sqrt(var), mean
 
 
@@ -216,6 +218,24 @@ def all_dim(self, dim=None, keepdim=False):
 @lowers(aten.count_nonzero.dim_IntList, aten.count_nonzero.default)
 def count_nonzero(self, dim=None):
     return jnp.sum(self != 0, axis=_axes(self, dim), dtype=jnp.int64)
+
+
+@lowers(aten.hash_tensor.default)
+def hash_tensor(self, dim=(), keepdim=False, mode=0):
+    """The XOR of the elements' bits, each widened to its 64-bit float or integer."""
+    if mode != 0:
+        raise RuntimeError(f"hash_tensor: mode {mode} is not supported (only 0, xor)")
+    # torch's kernel refuses empty reductions although xor has an identity
+    if not dim:
+        _require_elements(self, "hash_tensor")
+    for axis in _axes(self, dim) or ():
+        _require_dim_elements(self, axis, "hash_tensor")
+    if jnp.issubdtype(self.dtype, jnp.floating):
+        wide = self.astype(jnp.float64)
+    else:
+        wide = self.astype(jnp.uint64 if self.dtype == jnp.uint64 else jnp.int64)
+    bits = lax.bitcast_convert_type(wide, jnp.uint64)
+    return jnp.bitwise_xor.reduce(bits, axis=_axes(self, dim), keepdims=keepdim)
 
 
 @lowers(aten.linalg_vector_norm.default, static=("ord",))
@@ -267,7 +287,19 @@ def cumprod(self, dim, dtype=None):
 def logcumsumexp(self, dim):
     if self.ndim == 0:
         return self
-    return lax.cumlogsumexp(self, axis=canonical_dim(dim, self.ndim))
+    axis = canonical_dim(dim, self.ndim)
+    if not jnp.iscomplexobj(self):
+        return lax.cumlogsumexp(self, axis=axis)
+
+    # torch folds complex values left to right with its logaddexp, whose imaginary
+    # parts are not reduced to (-pi, pi]: a reassociating scan could differ by 2 pi.
+    def step(total, x):
+        total = complex_logaddexp(total, x)
+        return total, total
+
+    moved = jnp.moveaxis(self, axis, 0)
+    _, rest = lax.scan(step, moved[0], moved[1:])
+    return jnp.moveaxis(jnp.concatenate([moved[:1], rest]), 0, axis)
 
 
 def _cum_extreme(self, dim, better):

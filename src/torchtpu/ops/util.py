@@ -35,3 +35,26 @@ def cast(x, dtype):
     ):
         x = jnp.real(x)
     return x.astype(dtype)
+
+
+def opmath(x):
+    """``x`` in the dtype torch computes it in: float32 for float16 and bfloat16."""
+    import jax.numpy as jnp
+
+    return x.astype(jnp.float32) if x.dtype in (jnp.float16, jnp.bfloat16) else x
+
+
+def complex_logaddexp(x, y):
+    """torch's complex log(exp(x) + exp(y)): the operand of larger real part plus
+    log1p(exp(other - it)), so the imaginary part is not reduced to (-pi, pi]."""
+    import jax.numpy as jnp
+
+    x, y = jnp.broadcast_arrays(x, y)
+    x_larger = jnp.real(x) >= jnp.real(y)
+    high, low = jnp.where(x_larger, x, y), jnp.where(x_larger, y, x)
+    result = jnp.log1p(jnp.exp(low - high)) + high
+    nan = jnp.isnan(jnp.real(low)) | jnp.isnan(jnp.imag(low))
+    infinite = ~jnp.isfinite(jnp.real(low)) & (jnp.real(low) == jnp.real(high))
+    both_inf = jnp.where(jnp.real(low) < 0, low, jnp.log(jnp.exp(low) + jnp.exp(high)))
+    result = jnp.where(infinite, both_inf, result)
+    return jnp.where(nan, jnp.asarray(complex(jnp.nan, jnp.nan), x.dtype), result)

@@ -1,0 +1,298 @@
+"""Upsampling: nearest, nearest-exact, (bi/tri)linear, bicubic and anti-aliased
+bilinear interpolation, and their backward ops.
+
+Each interpolation is separable: one axis at a time, in the order torch's CPU kernels
+combine them, computing in the opmath dtype (float32 for 16-bit floats) with torch's
+source-index arithmetic. Backward ops are the VJP of the forward lowering (the
+forward is linear in its input), so the two cannot disagree.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from torchtpu.ops.registry import aten, lowers
+
+
+@lowers(aten.upsample_nearest2d.default)
+def upsample_nearest2d(self, output_size, scales_h=None, scales_w=None):
+    return _nearest(self, output_size, (scales_h, scales_w))
+
+
+@lowers(aten.upsample_nearest1d.default)
+def upsample_nearest1d(self, output_size, scales=None):
+    return _nearest(self, output_size, (scales,))
+
+
+@lowers(aten.upsample_nearest3d.default)
+def upsample_nearest3d(self, output_size, scales_d=None, scales_h=None, scales_w=None):
+    return _nearest(self, output_size, (scales_d, scales_h, scales_w))
+
+
+def _nearest(self, output_size, scales, exact=False):
+    """Nearest-neighbour upsampling; ``exact`` samples at pixel centres (torch's
+    nearest-exact) where plain nearest floors the output index times the scale."""
+    x = self
+    n = len(output_size)
+    offset = 0.5 if exact else 0.0
+    for i in range(n):
+        axis = self.ndim - n + i
+        size_in, size_out = self.shape[axis], output_size[i]
+        scale = (1.0 / scales[i]) if scales[i] else size_in / size_out
+        position = (jnp.arange(size_out, dtype=jnp.float32) + offset) * jnp.float32(scale)
+        src = jnp.minimum(jnp.floor(position).astype(jnp.int64), size_in - 1)
+        x = jnp.take(x, src, axis=axis)
+    return x
+
+
+# -- linear and cubic interpolation ---------------------------------------------------------
+
+
+def _scale(size_in, size_out, align_corners, scale, real):
+    """torch's area_pixel_compute_scale, in the opmath dtype ``real``."""
+    if align_corners:
+        return real(size_in - 1) / real(size_out - 1) if size_out > 1 else real(0)
+    if scale is not None and scale > 0:
+        return real(1.0 / scale)
+    return real(size_in) / real(size_out)
+
+
+def _source_index(size_in, size_out, align_corners, scale, real, cubic):
+    """torch's area_pixel_compute_source_index of every output position."""
+    ratio = _scale(size_in, size_out, align_corners, scale, real)
+    dst = jnp.arange(size_out, dtype=real)
+    if align_corners:
+        return ratio * dst
+    src = ratio * (dst + real(0.5)) - real(0.5)
+    return src if cubic else jnp.maximum(src, real(0))
+
+
+def _cubic_weights(t, real):
+    """The 4 taps' weights at fraction ``t`` of torch's cubic convolution (A = -0.75)."""
+    a = real(-0.75)
+
+    def inner(x):  # |x| <= 1
+        return ((a + 2) * x - (a + 3)) * x * x + 1
+
+    def outer(x):  # 1 < |x| < 2
+        return ((a * x - 5 * a) * x + 8 * a) * x - 4 * a
+
+    return [outer(t + 1), inner(t), inner(1 - t), outer(2 - t)]
+
+
+def _taps(self, output_size, align_corners, scales, cubic):
+    """Separable interpolation of the last ``len(output_size)`` axes: each output is
+    sum_j w_j * x[i_j], innermost axis first, as torch's CPU kernels nest it."""
+    real = jnp.float64 if self.dtype == jnp.float64 else jnp.float32
+    x = self.astype(real)
+    n = len(output_size)
+    for i in reversed(range(n)):
+        axis = self.ndim - n + i
+        size_in, size_out = self.shape[axis], output_size[i]
+        src = _source_index(size_in, size_out, align_corners, scales[i], real, cubic)
+        if cubic:
+            start = jnp.floor(src).astype(jnp.int64)
+            t = src - start.astype(real)
+            positions = [jnp.clip(start - 1 + j, 0, size_in - 1) for j in range(4)]
+            weights = _cubic_weights(t, real)
+        else:
+            lo = jnp.minimum(jnp.floor(src).astype(jnp.int64), size_in - 1)
+            t = jnp.clip(src - lo.astype(real), 0, 1)
+            positions = [lo, jnp.minimum(lo + 1, size_in - 1)]
+            weights = [1 - t, t]
+        shape = [1] * x.ndim
+        shape[axis] = size_out
+        out = None
+        for position, weight in zip(positions, weights):
+            term = jnp.take(x, position, axis=axis) * weight.reshape(shape)
+            out = term if out is None else out + term
+        x = out
+    return x.astype(self.dtype)
+
+
+@lowers(aten.upsample_linear1d.default)
+def upsample_linear1d(self, output_size, align_corners, scales=None):
+    return _taps(self, output_size, align_corners, (scales,), cubic=False)
+
+
+@lowers(aten.upsample_bilinear2d.default)
+def upsample_bilinear2d(self, output_size, align_corners, scales_h=None, scales_w=None):
+    return _taps(self, output_size, align_corners, (scales_h, scales_w), cubic=False)
+
+
+@lowers(aten.upsample_trilinear3d.default)
+def upsample_trilinear3d(
+    self, output_size, align_corners, scales_d=None, scales_h=None, scales_w=None
+):
+    return _taps(self, output_size, align_corners, (scales_d, scales_h, scales_w), cubic=False)
+
+
+@lowers(aten.upsample_bicubic2d.default)
+def upsample_bicubic2d(self, output_size, align_corners, scales_h=None, scales_w=None):
+    return _taps(self, output_size, align_corners, (scales_h, scales_w), cubic=True)
+
+
+def _linear_backward(forward, grad_output, input_size):
+    """The input gradient of ``forward``, a function linear in its input (upsampling):
+    its VJP, taken at a zero input of ``input_size`` (any point would do)."""
+    zeros = jnp.zeros(tuple(input_size), grad_output.dtype)
+    _, vjp = jax.vjp(forward, zeros)
+    return vjp(grad_output)[0]
+
+
+def _nearest_backward(grad_output, output_size, input_size, scales, exact=False):
+    return _linear_backward(
+        lambda x: _nearest(x, output_size, scales, exact), grad_output, input_size
+    )
+
+
+@lowers(aten._upsample_nearest_exact1d_backward.default)
+def _upsample_nearest_exact1d_backward(grad_output, output_size, input_size, scales=None):
+    return _nearest_backward(grad_output, output_size, input_size, (scales,), exact=True)
+
+
+@lowers(aten._upsample_nearest_exact2d_backward.default)
+def _upsample_nearest_exact2d_backward(
+    grad_output, output_size, input_size, scales_h=None, scales_w=None
+):
+    return _nearest_backward(grad_output, output_size, input_size, (scales_h, scales_w), True)
+
+
+@lowers(aten._upsample_nearest_exact3d_backward.default)
+def _upsample_nearest_exact3d_backward(
+    grad_output, output_size, input_size, scales_d=None, scales_h=None, scales_w=None
+):
+    scales = (scales_d, scales_h, scales_w)
+    return _nearest_backward(grad_output, output_size, input_size, scales, exact=True)
+
+
+@lowers(aten.upsample_nearest1d_backward.default)
+def upsample_nearest1d_backward(grad_output, output_size, input_size, scales=None):
+    return _nearest_backward(grad_output, output_size, input_size, (scales,))
+
+
+@lowers(aten.upsample_nearest2d_backward.default)
+def upsample_nearest2d_backward(grad_output, output_size, input_size, scales_h=None, scales_w=None):
+    return _nearest_backward(grad_output, output_size, input_size, (scales_h, scales_w))
+
+
+@lowers(aten.upsample_nearest3d_backward.default)
+def upsample_nearest3d_backward(
+    grad_output, output_size, input_size, scales_d=None, scales_h=None, scales_w=None
+):
+    return _nearest_backward(grad_output, output_size, input_size, (scales_d, scales_h, scales_w))
+
+
+@lowers(aten.upsample_linear1d_backward.default)
+def upsample_linear1d_backward(grad_output, output_size, input_size, align_corners, scales=None):
+    return _linear_backward(
+        lambda x: upsample_linear1d(x, output_size, align_corners, scales),
+        grad_output,
+        input_size,
+    )
+
+
+@lowers(aten.upsample_bilinear2d_backward.default)
+def upsample_bilinear2d_backward(
+    grad_output, output_size, input_size, align_corners, scales_h=None, scales_w=None
+):
+    return _linear_backward(
+        lambda x: upsample_bilinear2d(x, output_size, align_corners, scales_h, scales_w),
+        grad_output,
+        input_size,
+    )
+
+
+@lowers(aten.upsample_trilinear3d_backward.default)
+def upsample_trilinear3d_backward(
+    grad_output,
+    output_size,
+    input_size,
+    align_corners,
+    scales_d=None,
+    scales_h=None,
+    scales_w=None,
+):
+    return _linear_backward(
+        lambda x: upsample_trilinear3d(x, output_size, align_corners, scales_d, scales_h, scales_w),
+        grad_output,
+        input_size,
+    )
+
+
+@lowers(aten.upsample_bicubic2d_backward.default)
+def upsample_bicubic2d_backward(
+    grad_output, output_size, input_size, align_corners, scales_h=None, scales_w=None
+):
+    return _linear_backward(
+        lambda x: upsample_bicubic2d(x, output_size, align_corners, scales_h, scales_w),
+        grad_output,
+        input_size,
+    )
+
+
+def _antialias_weights(size_in, size_out, align_corners, scale, real):
+    """The (size_out, size_in) matrix of torch's anti-aliased linear interpolation along
+    one axis (UpSampleKernel.cpp's _compute_indices_min_size_weights_aa): a triangle
+    filter widened by the scale when downsampling, normalised to sum to one per output.
+    Sizes are static, so the matrix is a constant of the compiled function.
+
+    The kernel computes in the opmath type ``real`` (float32 for float32 tensors), with
+    some steps promoted to double by C++'s rules; each ``real(...)`` below is one of its
+    roundings, so the weights match the kernel's and so do values near zero."""
+    if align_corners:
+        ratio = real(real(size_in) - 1) / real(size_out - 1) if size_out > 1 else real(0)
+    elif scale is not None and scale > 0:
+        ratio = real(1.0 / scale)
+    else:
+        ratio = real(size_in) / real(size_out)
+    support = real(1.0 * float(ratio)) if ratio >= 1.0 else real(1.0)  # 2 taps * 0.5
+    max_taps = int(math.ceil(support)) * 2 + 1
+    invscale = real(1.0 / float(ratio)) if ratio >= 1.0 else real(1.0)
+    weights = np.zeros((size_out, size_in), real)
+    for i in range(size_out):
+        center = real(float(ratio) * (i + 0.5))
+        # int() truncates toward zero like the kernel's static_cast.
+        start = max(int(float(center - support) + 0.5), 0)
+        taps = min(max(min(int(float(center + support) + 0.5), size_in) - start, 0), max_taps)
+        total = real(0)
+        for j in range(taps):
+            x = real((float(real(j + start) - center) + 0.5) * float(invscale))
+            w = real(1.0 - abs(float(x))) if abs(x) < 1.0 else real(0)
+            weights[i, start + j] = w
+            total = real(total + w)
+        if total != 0.0:
+            weights[i, start : start + taps] /= total
+    return weights
+
+
+@lowers(aten._upsample_bilinear2d_aa.default)
+def _upsample_bilinear2d_aa(self, output_size, align_corners, scales_h=None, scales_w=None):
+    if not jnp.issubdtype(self.dtype, jnp.floating):
+        # torch's uint8 kernel rounds fixed-point weights: not reproduced here.
+        raise NotImplementedError(f"_upsample_bilinear2d_aa of {self.dtype} on tpu")
+    compute = jnp.float32 if self.dtype in (jnp.float16, jnp.bfloat16) else self.dtype
+    h_in, w_in = self.shape[-2:]
+    real = np.float64 if compute == jnp.float64 else np.float32
+    rows = jnp.asarray(_antialias_weights(h_in, output_size[0], align_corners, scales_h, real))
+    cols = jnp.asarray(_antialias_weights(w_in, output_size[1], align_corners, scales_w, real))
+    out = jnp.einsum(
+        "...hw,Hh,Ww->...HW", self.astype(compute), rows, cols, precision=lax.Precision.HIGHEST
+    )
+    return out.astype(self.dtype)
+
+
+@lowers(aten._upsample_bilinear2d_aa_backward.default)
+def _upsample_bilinear2d_aa_backward(
+    grad_output, output_size, input_size, align_corners, scales_h=None, scales_w=None
+):
+    return _linear_backward(
+        lambda x: _upsample_bilinear2d_aa(x, output_size, align_corners, scales_h, scales_w),
+        grad_output,
+        input_size,
+    )

@@ -1,0 +1,120 @@
+"""What torch checks and does with the tensors a mutating op writes, before it computes.
+
+An ``out=`` op (``torch.add(a, b, out=o)``) and an in-place op whose functional variant
+takes its arguments in another order (``polygamma_``) run as their functional variant
+followed by ``copy_`` (dispatch.py). Before that, `check` does what torch's kernels do
+first: it runs the op's meta kernel on meta copies of the arguments, which raises
+torch's own error where a result cannot be cast to the tensor written, and gives the
+size an ``out=`` tensor of another shape is resized to (with torch's warning); and it
+refuses ``out=`` tensors that overlap an input in memory, as the CPU kernels do.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch._prims_common import is_non_overlapping_and_dense_or_false
+from torch.utils._pytree import tree_flatten, tree_map
+
+from torchtpu.errors import name_op
+
+aten = torch.ops.aten
+
+# The CPU kernels that refuse an out tensor sharing any memory with an input
+# (at::assert_no_overlap); the others refuse only a partial overlap.
+_NO_OVERLAP_AT_ALL = frozenset(
+    {"index_select", "take", "gather", "kthvalue", "cat", "masked_select"}
+)
+
+# The CPU kernels that take only out tensors of the result's own dtype, where the others
+# take any dtype the result can be cast to; their meta kernels leave the check out.
+_OUT_DTYPE_EXACT = frozenset({"complex", "polar", "multinomial", "aminmax"})
+
+_OVERLAP_MESSAGE = (
+    "unsupported operation: some elements of the input tensor and the written-to tensor "
+    "refer to a single memory location. Please clone() the tensor before performing the "
+    "operation."
+)
+
+
+def check(info, values: list) -> None:
+    """torch's checks of the tensors ``info.op`` writes, given its bound arguments."""
+    if info.out_args:
+        _check_overlap(info, values)
+
+    def to_meta(v):
+        if isinstance(v, torch.Tensor):
+            return torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device="meta")
+        return v
+
+    metas = [tree_map(to_meta, v) for v in values]
+    args, kwargs = info.split(metas)
+    try:
+        info.op(*args, **kwargs)
+    except NotImplementedError:
+        return  # no meta kernel: copy_ into the out tensors checks their shapes
+    except Exception as exc:
+        raise name_op(exc, info.op) from None
+    if info.op._schema.name.split("::")[-1] in _OUT_DTYPE_EXACT:
+        _check_exact_dtypes(info, values, metas)
+    for i in info.out_args:
+        outs = values[i] if isinstance(values[i], (list, tuple)) else [values[i]]
+        resized = metas[i] if isinstance(metas[i], (list, tuple)) else [metas[i]]
+        for out, meta in zip(outs, resized):
+            if out is not None and out.shape != meta.shape:
+                aten.resize_.default(out, meta.shape)
+
+
+def _check_exact_dtypes(info, values: list, metas: list) -> None:
+    from torchtpu import schema
+
+    functional = schema.functional_variant(info.op)
+    by_name = {a.name: m for a, m in zip(info.args, metas)}
+    f_info = schema.info(functional)
+    args, kwargs = f_info.split([by_name[a.name] for a in f_info.args])
+    results = functional(*args, **kwargs)
+    results = results if isinstance(results, (tuple, list)) else [results]
+    outs = [t for i in info.out_args for t in _tensors(values[i])]
+    for out, result in zip(outs, results):
+        if out.dtype != result.dtype:
+            raise RuntimeError(
+                f"{info.op}: Expected out tensor to have dtype {result.dtype}, but got "
+                f"{out.dtype} instead"
+            )
+
+
+def _check_overlap(info, values: list) -> None:
+    outs = [t for i in info.out_args for t in _tensors(values[i])]
+    inputs = [t for i, v in enumerate(values) if i not in info.mutable for t in _tensors(v)]
+    any_overlap = info.op._schema.name.split("::")[-1] in _NO_OVERLAP_AT_ALL
+    for out in outs:
+        if any(n > 1 and s == 0 for n, s in zip(out.shape, out.stride())):
+            raise RuntimeError(
+                f"{info.op}: unsupported operation: more than one element of the written-to "
+                "tensor refers to a single memory location. Please clone() the tensor before "
+                "performing the operation."
+            )
+        for x in inputs:
+            status = _overlap(out, x)
+            if status == "partial" or (status == "full" and any_overlap):
+                raise RuntimeError(f"{info.op}: {_OVERLAP_MESSAGE}")
+
+
+def _tensors(value) -> list:
+    return [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> str:
+    """torch's get_overlap_status of two tensors: "full", "partial", "no" or "too hard"."""
+    if a is b:
+        return "full"
+    if a.numel() == 0 or b.numel() == 0:
+        return "no"
+    if getattr(a, "_storage", None) is None or a._storage is not getattr(b, "_storage", None):
+        return "no"
+    if not (is_non_overlapping_and_dense_or_false(a) and is_non_overlapping_and_dense_or_false(b)):
+        return "too hard"
+    a_begin, b_begin = a.storage_offset(), b.storage_offset()
+    a_end, b_end = a_begin + a.numel(), b_begin + b.numel()
+    if (a_begin, a_end) == (b_begin, b_end):
+        return "full" if a.stride() == b.stride() else "partial"
+    return "partial" if a_begin < b_end and b_begin < a_end else "no"
