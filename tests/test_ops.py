@@ -1621,6 +1621,72 @@ def test_norm_statistics_of_16_bit_input_have_the_cpus_dtype(norm, param_dtype):
     assert_same(actual[1:], expected[1:], rtol=1.6e-2, atol=1e-5)
 
 
+_FLAGS = torch.tensor([True, False, True, False])
+_SIGNED = torch.tensor([[1, -1, 2, 0], [3, -2, -1, 5]])
+
+# Ops whose results for these dtypes once differed from the CPU's (found by the dtypes
+# scope of the conformance report).
+DTYPE_CASES = [
+    _case("pow_int_negative_exponents", torch.pow, _SIGNED, torch.tensor([-1, -3, -2, 2])),
+    _case("rpow_int_negative_exponents", lambda e: 2**e, _SIGNED),
+    _case(
+        "div_trunc_int_broadcast",
+        lambda a, b: torch.div(a, b, rounding_mode="trunc"),
+        _SIGNED,
+        torch.tensor([[3], [-2]]),
+    ),
+    _case("digamma_at_zeros", torch.digamma, torch.tensor([0.0, -0.0, 1.0, -1.0])),
+    _case("erfinv_near_one", torch.erfinv, torch.tensor([0.9998, -0.99983, 0.75, 0.3, 1 - 2**-20])),
+    _case("var_complex", lambda x: (x.var(), x.std(1)), _randn(3, 4, dtype=torch.complex64)),
+    _case(
+        "logaddexp_complex_branch",
+        torch.logaddexp,
+        torch.tensor([1 + 3j, -2 - 3j]),
+        torch.tensor([0.5 + 3j, -2 + 3.1j]),
+    ),
+    _case(
+        "logcumsumexp_complex",
+        lambda x: torch.logcumsumexp(x, 0),
+        torch.tensor([1 + 3j, 0.5 + 3j, -1 - 3j]),
+    ),
+    _case(
+        "index_add_bool",
+        lambda x, s: x.index_add(0, torch.tensor([0, 0, 2], device=x.device), s),
+        _FLAGS,
+        torch.tensor([False, True, True]),
+    ),
+    _case(
+        "scatter_add_bool",
+        lambda x, s: x.scatter_add(0, torch.tensor([1, 1, 3], device=x.device), s),
+        _FLAGS,
+        torch.tensor([True, False, False]),
+    ),
+    _case(
+        "index_put_accumulate_bool",
+        lambda x, v: x.index_put((torch.tensor([1, 3], device=x.device),), v, accumulate=True),
+        _FLAGS,
+        torch.tensor([True, False]),
+    ),
+    _case(
+        "scatter_reduce_bool",
+        lambda x, s: x.scatter_reduce(0, torch.tensor([1, 1, 3], device=x.device), s, "amin"),
+        _FLAGS,
+        torch.tensor([True, False, False]),
+    ),
+    _case(
+        "dropout_backward_bool_grad",
+        lambda g, m: torch.ops.aten.native_dropout_backward(g, m, 2.0),
+        _FLAGS,
+        torch.tensor([True, True, False, False]),
+    ),
+]
+
+
+@pytest.mark.parametrize("fn,args", DTYPE_CASES)
+def test_dtype_specific_results_match_cpu(fn, args):
+    check(fn, *args)
+
+
 def test_static_numbers_of_equal_value_but_other_type_are_other_constants():
     # 4 == 4.0 and 1 == True in Python; as op constants they give other dtypes.
     for make in (

@@ -1,4 +1,4 @@
-"""The harness's own rules: judging 16-bit floats against float64, tied indices, and
+"""The conformance rules themselves: judging 16-bit floats against float64, tied indices, and
 reporting stale expectations entries."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from torchtpu.conformance import __main__ as report
-from torchtpu.conformance import harness
+from torchtpu.conformance import compare, harness
 
 BF16 = torch.bfloat16
 
@@ -19,25 +19,25 @@ def _bf16(*values):
 def test_a_16_bit_result_closer_to_float64_than_the_cpus_passes():
     exact = torch.tensor([95.2360, 0.5], dtype=torch.float64)
     cpu, ours = _bf16(95.5, 0.5), _bf16(95.0, 0.5)  # 0.26 and 0.24 off
-    harness._judge_by_float64(ours, cpu, exact, BF16)
+    compare.judge_by_float64(ours, cpu, exact, BF16)
 
 
 def test_a_16_bit_result_further_from_float64_than_the_cpus_is_a_mismatch():
     exact = torch.tensor([95.2360, 0.5], dtype=torch.float64)
     cpu, ours = _bf16(95.0, 0.5), _bf16(97.0, 0.5)
-    with pytest.raises(harness.Mismatch, match="off the float64 result"):
-        harness._judge_by_float64(ours, cpu, exact, BF16)
+    with pytest.raises(compare.Mismatch, match="off the float64 result"):
+        compare.judge_by_float64(ours, cpu, exact, BF16)
 
 
 def test_judging_by_float64_keeps_nans_dtypes_and_integer_outputs_exact():
     exact = torch.tensor([1.0, float("nan")], dtype=torch.float64)
-    with pytest.raises(harness.Mismatch, match="NaN"):
-        harness._judge_by_float64(_bf16(1.0, 2.0), _bf16(1.0, float("nan")), exact, BF16)
-    with pytest.raises(harness.Mismatch, match="dtype"):
-        harness._judge_by_float64(torch.tensor([1.0, 2.0]), _bf16(1.0, 2.0), exact, BF16)
+    with pytest.raises(compare.Mismatch, match="NaN"):
+        compare.judge_by_float64(_bf16(1.0, 2.0), _bf16(1.0, float("nan")), exact, BF16)
+    with pytest.raises(compare.Mismatch, match="dtype"):
+        compare.judge_by_float64(torch.tensor([1.0, 2.0]), _bf16(1.0, 2.0), exact, BF16)
     values, indices = _bf16(1.0), torch.tensor([3])
-    with pytest.raises(harness.Mismatch, match="not equal"):
-        harness._judge_by_float64(
+    with pytest.raises(compare.Mismatch, match="not equal"):
+        compare.judge_by_float64(
             (values, torch.tensor([2])), (values, indices), (exact[:1], indices), BF16
         )
 
@@ -46,12 +46,12 @@ def test_tied_indices_are_compared_by_the_values_they_point_at():
     from torch.testing._internal.opinfo.core import SampleInput
 
     sample = SampleInput(torch.tensor([[3.0, 1.0, 3.0]]), args=(1, True))  # mode(dim=1)
-    one = harness._pointed_values(sample, (torch.tensor([[3.0]]), torch.tensor([[0]])), 0, 1)
-    other = harness._pointed_values(sample, (torch.tensor([[3.0]]), torch.tensor([[2]])), 0, 1)
-    harness._compare(one, other, random=False)
-    wrong = harness._pointed_values(sample, (torch.tensor([[3.0]]), torch.tensor([[1]])), 0, 1)
-    with pytest.raises(harness.Mismatch):
-        harness._compare(wrong, one, random=False)
+    one = compare.pointed_values(sample, (torch.tensor([[3.0]]), torch.tensor([[0]])), 0, 1)
+    other = compare.pointed_values(sample, (torch.tensor([[3.0]]), torch.tensor([[2]])), 0, 1)
+    compare.compare(one, other, random=False)
+    wrong = compare.pointed_values(sample, (torch.tensor([[3.0]]), torch.tensor([[1]])), 0, 1)
+    with pytest.raises(compare.Mismatch):
+        compare.compare(wrong, one, random=False)
 
 
 def test_an_entry_is_stale_only_if_none_of_its_cases_needed_it():

@@ -148,7 +148,7 @@ def report(results: list[harness.Result], runs: list[tuple[str, float]]) -> str:
     judged = [r for r in results if r.by_float64]
     lines.append(
         f"- cases of 16-bit floats that differ from the CPU's but are as close to float64 "
-        f"(harness.JUDGED_BY_FLOAT64): {len(judged)}"
+        f"(compare.JUDGED_BY_FLOAT64): {len(judged)}"
     )
     stale = _stale_entries(results)
     lines.append(f"- stale expectations entries: {len(stale)}")

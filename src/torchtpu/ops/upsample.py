@@ -188,54 +188,6 @@ def upsample_nearest3d_backward(
     return _nearest_backward(grad_output, output_size, input_size, (scales_d, scales_h, scales_w))
 
 
-@lowers(aten.upsample_linear1d_backward.default)
-def upsample_linear1d_backward(grad_output, output_size, input_size, align_corners, scales=None):
-    return _linear_backward(
-        lambda x: upsample_linear1d(x, output_size, align_corners, scales),
-        grad_output,
-        input_size,
-    )
-
-
-@lowers(aten.upsample_bilinear2d_backward.default)
-def upsample_bilinear2d_backward(
-    grad_output, output_size, input_size, align_corners, scales_h=None, scales_w=None
-):
-    return _linear_backward(
-        lambda x: upsample_bilinear2d(x, output_size, align_corners, scales_h, scales_w),
-        grad_output,
-        input_size,
-    )
-
-
-@lowers(aten.upsample_trilinear3d_backward.default)
-def upsample_trilinear3d_backward(
-    grad_output,
-    output_size,
-    input_size,
-    align_corners,
-    scales_d=None,
-    scales_h=None,
-    scales_w=None,
-):
-    return _linear_backward(
-        lambda x: upsample_trilinear3d(x, output_size, align_corners, scales_d, scales_h, scales_w),
-        grad_output,
-        input_size,
-    )
-
-
-@lowers(aten.upsample_bicubic2d_backward.default)
-def upsample_bicubic2d_backward(
-    grad_output, output_size, input_size, align_corners, scales_h=None, scales_w=None
-):
-    return _linear_backward(
-        lambda x: upsample_bicubic2d(x, output_size, align_corners, scales_h, scales_w),
-        grad_output,
-        input_size,
-    )
-
-
 def _antialias_weights(size_in, size_out, align_corners, scale, real):
     """The (size_out, size_in) matrix of torch's anti-aliased linear interpolation along
     one axis (UpSampleKernel.cpp's _compute_indices_min_size_weights_aa): a triangle
@@ -287,12 +239,23 @@ def _upsample_bilinear2d_aa(self, output_size, align_corners, scales_h=None, sca
     return out.astype(self.dtype)
 
 
-@lowers(aten._upsample_bilinear2d_aa_backward.default)
-def _upsample_bilinear2d_aa_backward(
-    grad_output, output_size, input_size, align_corners, scales_h=None, scales_w=None
-):
-    return _linear_backward(
-        lambda x: _upsample_bilinear2d_aa(x, output_size, align_corners, scales_h, scales_w),
-        grad_output,
-        input_size,
-    )
+def _backward_of(forward):
+    """The backward op of an interpolation taking (x, output_size, align_corners, *scales):
+    its arguments are (grad_output, output_size, input_size, align_corners, *scales)."""
+
+    def backward(grad_output, output_size, input_size, align_corners, *scales):
+        return _linear_backward(
+            lambda x: forward(x, output_size, align_corners, *scales), grad_output, input_size
+        )
+
+    return backward
+
+
+for _backward, _forward in {
+    aten.upsample_linear1d_backward.default: upsample_linear1d,
+    aten.upsample_bilinear2d_backward.default: upsample_bilinear2d,
+    aten.upsample_trilinear3d_backward.default: upsample_trilinear3d,
+    aten.upsample_bicubic2d_backward.default: upsample_bicubic2d,
+    aten._upsample_bilinear2d_aa_backward.default: _upsample_bilinear2d_aa,
+}.items():
+    lowers(_backward)(_backward_of(_forward))
