@@ -1562,6 +1562,7 @@ def test_ctc_loss_with_lengths_as_lists():
         ((2, 3, 9, 11), (2, 3), (4, 5)),
         ((3, 9, 11), (3, 2), (5, 4)),
         ((1, 2, 5, 5), (2, 2), (1, 1)),
+        ((0, 1, 4, 5, 4), (2, 2, 1), (2, 2, 2)),
         ((2, 3, 7, 8, 9), (2, 3, 2), (3, 4, 5)),
         ((3, 7, 8, 9), (2, 2, 3), (4, 4, 4)),
     ],
@@ -1572,7 +1573,7 @@ def test_fractional_max_pool_given_samples(shape, kernel, output):
     n = len(kernel)
     op = getattr(torch.ops.aten, f"fractional_max_pool{n}d").default
     x = _randn(*shape)
-    x.view(-1)[0] = nan
+    x.view(-1)[:1] = nan
     planes = (shape[0] if len(shape) == n + 2 else 1, shape[-n - 1])
     samples = torch.rand(planes + (n,), generator=torch.Generator().manual_seed(0))
     check(lambda a, s: op(a, kernel, output, s), x, samples, grad=(0,))
@@ -1680,6 +1681,24 @@ DTYPE_CASES = [
         torch.tensor([True, True, False, False]),
     ),
 ]
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [
+        lambda x, m, v: torch.addmm(x, m, m, alpha=0),
+        lambda x, m, v: torch.addmv(x[0], m, v, alpha=0),
+        lambda x, m, v: torch.addbmm(x, m[None], m[None], alpha=0),
+        lambda x, m, v: torch.baddbmm(x[None], m[None], m[None], alpha=0),
+        lambda x, m, v: torch.addr(x, v, v, alpha=0),
+    ],
+    ids=["addmm", "addmv", "addbmm", "baddbmm", "addr"],
+)
+def test_alpha_zero_with_nan_products_as_on_the_cpu(fn):
+    # The CPU's BLAS-backed addmm, addmv and addbmm skip the product when alpha is 0;
+    # its baddbmm and addr compute 0 * NaN.
+    m = torch.tensor([[nan, 1.0], [1.0, 1.0]])
+    check(fn, torch.ones(2, 2), m, torch.tensor([nan, 1.0]))
 
 
 @pytest.mark.parametrize("fn,args", DTYPE_CASES)

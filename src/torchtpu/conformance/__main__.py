@@ -243,12 +243,12 @@ def _load(path: str) -> tuple[str, float, list[harness.Result]]:
 
 
 def _merge(results: list[harness.Result]) -> list[harness.Result]:
-    """One result per case: where runs overlap, the one that ran more samples."""
-    best: dict[str, harness.Result] = {}
+    """One result per case: where runs overlap, the later one's (a rerun of some ops)."""
+    latest: dict[str, harness.Result] = {}
     for r in results:
-        if r.case.id not in best or r.samples > best[r.case.id].samples:
-            best[r.case.id] = r
-    return list(best.values())
+        latest.pop(r.case.id, None)
+        latest[r.case.id] = r
+    return list(latest.values())
 
 
 def main(argv=None) -> None:
@@ -277,7 +277,8 @@ def main(argv=None) -> None:
         "--load",
         nargs="+",
         metavar="JSON",
-        help="write the report from these saved results instead of running",
+        help="write the report from these saved results instead of running (where they "
+        "overlap, the later file's results count)",
     )
     args = parser.parse_args(argv)
     if args.load:

@@ -25,8 +25,13 @@ def _scale(x, factor):
     )
 
 
-def _plus_scaled(product, self, beta, alpha):
+def _plus_scaled(product, self, beta, alpha, blas_alpha=False):
+    """beta * self + alpha * product, where beta = 0 ignores self (NaN and inf included)
+    as torch documents. ``blas_alpha``: alpha = 0 ignores the product too, as the BLAS
+    kernels behind the CPU's addmm, addmv and addbmm do (baddbmm and addr do not)."""
     out = _scale(product, alpha)
+    if blas_alpha and not (isinstance(alpha, (int, float)) and alpha != 0):
+        out = jnp.where(jnp.asarray(alpha) == 0, jnp.zeros((), out.dtype), out)
     if isinstance(beta, (int, float)) and beta == 0:
         return jnp.broadcast_to(out, jnp.broadcast_shapes(out.shape, self.shape))
     # A traced beta may be 0 too: then self is ignored, its NaN and inf included, as
@@ -50,14 +55,20 @@ def vdot(self, other, *, precision):
     return _matmul(jnp.conj(self), other, precision)
 
 
-@lowers(aten.addmm.default, aten.baddbmm.default, aten.addmv.default, precision=True)
+@lowers(aten.addmm.default, aten.addmv.default, precision=True)
 def addmm(self, mat1, mat2, beta=1, alpha=1, *, precision):
-    return _plus_scaled(_matmul(mat1, mat2, precision), self, beta, alpha)
+    return _plus_scaled(_matmul(mat1, mat2, precision), self, beta, alpha, blas_alpha=True)
+
+
+@lowers(aten.baddbmm.default, precision=True)
+def baddbmm(self, batch1, batch2, beta=1, alpha=1, *, precision):
+    return _plus_scaled(_matmul(batch1, batch2, precision), self, beta, alpha)
 
 
 @lowers(aten.addbmm.default, precision=True)
 def addbmm(self, batch1, batch2, beta=1, alpha=1, *, precision):
-    return _plus_scaled(jnp.sum(_matmul(batch1, batch2, precision), axis=0), self, beta, alpha)
+    product = jnp.sum(_matmul(batch1, batch2, precision), axis=0)
+    return _plus_scaled(product, self, beta, alpha, blas_alpha=True)
 
 
 @lowers(aten.addr.default, promote="default", promote_args=("self", "vec1", "vec2"))

@@ -211,6 +211,8 @@ def max_pool3d_with_indices(self, kernel_size, stride=(), padding=0, dilation=1,
 def _max_pool_backward(grad_output, self, indices, n):
     lead = self.shape[:-n]
     size = math.prod(self.shape[-n:])
+    if math.prod(lead) == 0:
+        return jnp.zeros(self.shape, grad_output.dtype)
     grad = jnp.zeros(lead + (size,), grad_output.dtype)
     g = grad_output.reshape(lead + (-1,))
     idx = indices.reshape(lead + (-1,))
@@ -422,7 +424,7 @@ def _fractional_max_pool(self, kernel_size, output_size, random_samples, n):
         index.append(position)
         flat = flat * spatial[d] + position
     windows = batched[tuple(index)]
-    window_shape = windows.shape[: 2 + n] + (-1,)
+    window_shape = windows.shape[: 2 + n] + (math.prod(pools),)
     windows = windows.reshape(window_shape)
     flat = jnp.broadcast_to(flat, windows.shape[:-1] + tuple(pools)).reshape(window_shape)
     # torch keeps the first of equal maxima, but the last NaN.
