@@ -1749,3 +1749,17 @@ def test_ldl_factor_pivots_and_solve_match_lapack(dtype, hermitian):
                 rtol=1e-4,
                 atol=1e-4,
             )
+
+
+def test_gcd_and_lcm_with_zeros_signs_and_overflow():
+    a = torch.tensor([0, 6, -4, 9, 2**62, -7, 0])
+    b = torch.tensor([0, 4, 6, -6, 3, 0, 5])
+    check(torch.gcd, a, b)
+    check(torch.lcm, a, b)  # 2**62 * 3 wraps as on the CPU
+    check(torch.gcd, a.to(torch.int16).clamp(-100, 100), b.to(torch.int16))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_renorm_of_16_bit_floats(dtype):
+    # torch's decomposition converts with prims.convert_element_type: lowered too.
+    check(lambda x: torch.renorm(x, 2, 0, 1.0), _randn(3, 4).to(dtype))

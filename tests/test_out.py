@@ -42,6 +42,8 @@ CASES = {
     "arange": lambda x, d: torch.arange(5, out=_empty(2, device=d)),
     "into_itself": lambda x, d: torch.add(x, x, out=x),
     "into_strided_view": lambda x, d: _into_view(x, d),
+    "resized_within_its_storage": lambda x, d: _resized_within_storage(d),
+    "resized_onto_an_input": lambda x, d: _resized_onto_input(d),
     "max_dim_two_outs": lambda x, d: torch.max(
         x, 1, out=(_empty(0, device=d), _empty(0, dtype=torch.int64, device=d))
     ),
@@ -55,6 +57,20 @@ def _into_view(x, device):
     base = torch.zeros(3, 8, device=device)
     torch.mul(x, 2, out=base[:, ::2])
     return base
+
+
+def _resized_within_storage(device):
+    # out grows within its base's storage, as on the CPU: the base sees the values.
+    base = torch.zeros(6, dtype=torch.int64, device=device)
+    index = torch.tensor([1, 0, 2], device=device)
+    torch.gather(torch.arange(3, device=device), 0, index, out=base[2:3])
+    return base
+
+
+def _resized_onto_input(device):
+    # out = index[:1] grows to index[:2], overlapping index[1:]: the CPU refuses it.
+    index = torch.tensor([2, 1, 0], device=device)
+    return torch.gather(index.clone(), 0, index[1:], out=index[:1])
 
 
 @pytest.mark.parametrize("name", sorted(CASES))

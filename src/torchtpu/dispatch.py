@@ -478,9 +478,10 @@ def _allocate(func, args, kwargs):
 
 
 def _resize_(func, args, kwargs):
-    """resize_ (also how ``out=`` tensors of the wrong size are resized): the tensor
-    gets a new storage of the new size, keeping its leading values as torch does.
-    Other views of the old storage no longer alias it."""
+    """resize_ (also how ``out=`` tensors of the wrong size are resized), as torch does:
+    within its storage where that holds the new size, else in a new storage of the new
+    size keeping its leading values. (torch grows the shared storage then; here the
+    other views of the old storage no longer alias the grown tensor.)"""
     x, size = args[0], tuple(args[1])
     memory_format = kwargs.get("memory_format") or (args[2] if len(args) > 2 else None)
     if tuple(x.shape) == size and memory_format in (
@@ -492,19 +493,25 @@ def _resize_(func, args, kwargs):
     meta = torch.empty(
         size, dtype=x.dtype, device="meta", memory_format=memory_format or torch.contiguous_format
     )
-    from torchtpu.tensor import empty_tensor
+    offset = x.storage_offset()
+    if x._storage.holds(offset, meta.numel()):
+        # The storage holds the new size: x stays in it, as on the CPU, still aliasing
+        # the other views of it.
+        fresh = x.as_strided(size, meta.stride(), offset)
+    else:
+        from torchtpu.tensor import empty_tensor
 
-    fresh = empty_tensor(size, meta.stride(), x.dtype, x._storage.device_index)
-    keep = min(x.numel(), fresh.numel())
-    if keep and x._storage.array is not None:
-        fresh.view(-1)[:keep].copy_(x.reshape(-1)[:keep])
+        fresh, offset = empty_tensor(size, meta.stride(), x.dtype, x._storage.device_index), 0
+        keep = min(x.numel(), fresh.numel())
+        if keep and x._storage.array is not None:
+            fresh.view(-1)[:keep].copy_(x.reshape(-1)[:keep])
     # x's TensorImpl takes fresh's (data-less) storage too: torch checks sizes against
     # it. Setting a storage has no tpu kernel; the Meta one is generic TensorImpl code.
     aten.set_.source_Storage_storage_offset.redispatch(
         torch._C.DispatchKeySet(torch._C.DispatchKey.Meta),
         x,
         fresh.untyped_storage(),
-        0,
+        offset,
         size,
         meta.stride(),
     )

@@ -11,8 +11,10 @@ refuses ``out=`` tensors that overlap an input in memory, as the CPU kernels do.
 
 from __future__ import annotations
 
+import math
+
 import torch
-from torch._prims_common import is_non_overlapping_and_dense_or_false
+from torch._prims_common import is_non_overlapping_and_dense_or_false, make_contiguous_strides_for
 from torch.utils._pytree import tree_flatten, tree_map
 
 from torchtpu.errors import name_op
@@ -20,7 +22,8 @@ from torchtpu.errors import name_op
 aten = torch.ops.aten
 
 # The CPU kernels that refuse an out tensor sharing any memory with an input
-# (at::assert_no_overlap); the others refuse only a partial overlap.
+# (at::assert_no_overlap), before and after resizing it; the others refuse only a
+# partial overlap, before resizing.
 _NO_OVERLAP_AT_ALL = frozenset(
     {"index_select", "take", "gather", "kthvalue", "cat", "masked_select"}
 )
@@ -39,7 +42,7 @@ _OVERLAP_MESSAGE = (
 def check(info, values: list) -> None:
     """torch's checks of the tensors ``info.op`` writes, given its bound arguments."""
     if info.out_args:
-        _check_overlap(info, values)
+        _check_overlap(info, values, _outs(info, values))
 
     def to_meta(v):
         if isinstance(v, torch.Tensor):
@@ -54,14 +57,17 @@ def check(info, values: list) -> None:
         return  # no meta kernel: copy_ into the out tensors checks their shapes
     except Exception as exc:
         raise name_op(exc, info.op) from None
-    if info.op._schema.name.split("::")[-1] in _OUT_DTYPE_EXACT:
+    if _name(info) in _OUT_DTYPE_EXACT:
         _check_exact_dtypes(info, values, metas)
-    for i in info.out_args:
-        outs = values[i] if isinstance(values[i], (list, tuple)) else [values[i]]
-        resized = metas[i] if isinstance(metas[i], (list, tuple)) else [metas[i]]
-        for out, meta in zip(outs, resized):
-            if out is not None and out.shape != meta.shape:
-                aten.resize_.default(out, meta.shape)
+    outs, sizes = _outs(info, values), [m.shape for m in _outs(info, metas)]
+    if _name(info) in _NO_OVERLAP_AT_ALL:
+        # An out tensor resized within its storage may come to overlap an input
+        # (gather(x, 0, i[1:], out=i[:1])): the CPU checks it as resized.
+        resized = [_as_resized(out, size) for out, size in zip(outs, sizes)]
+        _check_overlap(info, values, [r for r in resized if r is not None])
+    for out, size in zip(outs, sizes):
+        if out.shape != size:
+            aten.resize_.default(out, size)
 
 
 def _check_exact_dtypes(info, values: list, metas: list) -> None:
@@ -73,7 +79,7 @@ def _check_exact_dtypes(info, values: list, metas: list) -> None:
     args, kwargs = f_info.split([by_name[a.name] for a in f_info.args])
     results = functional(*args, **kwargs)
     results = results if isinstance(results, (tuple, list)) else [results]
-    outs = [t for i in info.out_args for t in _tensors(values[i])]
+    outs = _outs(info, values)
     for out, result in zip(outs, results):
         if out.dtype != result.dtype:
             raise RuntimeError(
@@ -82,10 +88,28 @@ def _check_exact_dtypes(info, values: list, metas: list) -> None:
             )
 
 
-def _check_overlap(info, values: list) -> None:
-    outs = [t for i in info.out_args for t in _tensors(values[i])]
+def _name(info) -> str:
+    return info.op._schema.name.split("::")[-1]
+
+
+def _outs(info, values: list) -> list:
+    return [t for i in info.out_args for t in _tensors(values[i])]
+
+
+def _as_resized(out: torch.Tensor, size) -> torch.Tensor | None:
+    """``out`` as resize_ lays it out in memory: in place (contiguous, at its offset)
+    where its storage holds the new size, else in new memory (None: overlaps nothing)."""
+    if out.shape == size:
+        return out
+    storage = getattr(out, "_storage", None)
+    if storage is None or not storage.holds(out.storage_offset(), math.prod(size)):
+        return None
+    return out.as_strided(size, make_contiguous_strides_for(size), out.storage_offset())
+
+
+def _check_overlap(info, values: list, outs: list) -> None:
     inputs = [t for i, v in enumerate(values) if i not in info.mutable for t in _tensors(v)]
-    any_overlap = info.op._schema.name.split("::")[-1] in _NO_OVERLAP_AT_ALL
+    any_overlap = _name(info) in _NO_OVERLAP_AT_ALL
     for out in outs:
         if any(n > 1 and s == 0 for n, s in zip(out.shape, out.stride())):
             raise RuntimeError(

@@ -23,6 +23,7 @@ See Note [Storage strides] for ``as_strided``.
 
 from __future__ import annotations
 
+import math
 import weakref
 from typing import NamedTuple
 
@@ -76,6 +77,10 @@ class Storage:
         """Replace the base array (after a write)."""
         self.array = array
         self.version += 1
+
+    def holds(self, offset: int, numel: int) -> bool:
+        """Whether ``numel`` elements from ``offset`` fit: where resize_ keeps a tensor."""
+        return offset + numel <= math.prod(self.shape)
 
     def __repr__(self) -> str:
         state = "uninitialised" if self.array is None else "initialised"

@@ -14,7 +14,7 @@ from jax import lax
 from jax.scipy import special as jsp
 
 from torchtpu.checks import error_if
-from torchtpu.ops.registry import aten, lowers
+from torchtpu.ops.registry import aten, lowers, prims
 from torchtpu.ops.util import canonical_dim, cast, complex_logaddexp
 
 
@@ -580,6 +580,20 @@ for _op, _fn in _BITWISE.items():
     lowers(_op, promote="default")(_fn)
 
 
+@lowers(aten.gcd.default, promote="default")
+def gcd(self, other):
+    return jnp.gcd(self, other)
+
+
+@lowers(aten.lcm.default, promote="default")
+def lcm(self, other):
+    # torch's |a / gcd(a, b) * b|, wrapping on overflow; 0 where either is 0.
+    g = jnp.gcd(self, other)
+    return jnp.where(
+        g == 0, jnp.zeros((), self.dtype), jnp.abs(self // jnp.where(g == 0, 1, g) * other)
+    )
+
+
 @lowers(aten.bitwise_not.default)
 def bitwise_not(self):
     return jnp.logical_not(self) if _is_bool(self) else jnp.bitwise_not(self)
@@ -691,7 +705,7 @@ def addcdiv(self, tensor1, tensor2, value=1):
     return self + cast(value, self.dtype) * (tensor1 / tensor2)
 
 
-@lowers(aten._to_copy.default)
+@lowers(aten._to_copy.default, prims.convert_element_type.default)
 def _to_copy(
     self,
     dtype=None,

@@ -39,6 +39,7 @@ import torch
 from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND
 
 aten = torch.ops.aten
+prims = torch.ops.prims
 
 PROMOTION_KINDS = {
     "default": ELEMENTWISE_TYPE_PROMOTION_KIND.DEFAULT,

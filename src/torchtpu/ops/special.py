@@ -12,13 +12,10 @@ from __future__ import annotations
 import math
 
 import jax.numpy as jnp
-import torch
 from jax import lax
 from jax.scipy import special as jsp
 
-from torchtpu.ops.registry import aten, lowers
-
-prims = torch.ops.prims
+from torchtpu.ops.registry import aten, lowers, prims
 
 _SQRT_2_OVER_PI = 0.797884560802865355879892119868763737
 _TWO_OVER_PI = 0.636619772367581343075535053490057448
