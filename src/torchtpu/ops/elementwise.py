@@ -15,7 +15,7 @@ from jax.scipy import special as jsp
 
 from torchtpu.checks import error_if
 from torchtpu.ops.registry import aten, lowers, prims
-from torchtpu.ops.util import canonical_dim, cast, complex_logaddexp
+from torchtpu.ops.util import canonical_dim, cast, complex_logaddexp, opmath
 
 
 def _is_int(x) -> bool:
@@ -310,7 +310,7 @@ def erfinv(self):
     # where its gradient exp(y^2) magnifies the error. One Newton step on
     # erfc(|y|) = 1 - |x| (exact there: Sterbenz) brings it to ~2 ulp, as torch's CPU
     # kernel is; below |x| = 0.5 it is already that accurate.
-    x = self.astype(jnp.float32) if self.dtype in (jnp.float16, jnp.bfloat16) else self
+    x = opmath(self)
     y = jsp.erfinv(x)
     a, b = jnp.abs(x), jnp.abs(y)
     slope = cast(2 / math.sqrt(math.pi), x.dtype) * jnp.exp(-b * b)

@@ -18,15 +18,7 @@ from jax.scipy import special as jsp
 from torchtpu.ops import elementwise as ew
 from torchtpu.ops import reduction
 from torchtpu.ops.registry import aten, lowers
-from torchtpu.ops.util import cast
-
-_LOW_FLOATS = (jnp.float16, jnp.bfloat16)
-
-
-def _opmath(x):
-    if hasattr(x, "dtype") and x.dtype in _LOW_FLOATS:
-        return x.astype(jnp.float32)
-    return x
+from torchtpu.ops.util import cast, opmath
 
 
 def _over_lists(element, per_element_scalars: bool = False):
@@ -40,11 +32,11 @@ def _over_lists(element, per_element_scalars: bool = False):
             items = []
             for position, a in enumerate(args):
                 if isinstance(a, list):
-                    items.append(_opmath(a[i]))
+                    items.append(opmath(a[i]))
                 elif per_element_scalars and position == 3 and getattr(a, "ndim", 0) == 1:
                     items.append(a[i])
                 else:
-                    items.append(_opmath(a))
+                    items.append(opmath(a))
             out.append(element(*items))
         return out
 
@@ -192,7 +184,7 @@ def _foreach_norm(self, ord=2, dtype=None):
 
 @lowers(aten._foreach_powsum.Scalar, static=("ord",))
 def _foreach_powsum(self, ord=2, dtype=None):
-    return [jnp.sum(jnp.abs(_opmath(x)) ** ord) for x in self]
+    return [jnp.sum(jnp.abs(opmath(x)) ** ord) for x in self]
 
 
 @lowers(aten._foreach_mm.default)

@@ -12,13 +12,7 @@ from jax import lax
 from torchtpu import dtypes
 from torchtpu.checks import error_if
 from torchtpu.ops.registry import aten, lowers
-from torchtpu.ops.util import canonical_dim, cast
-
-
-def _opmath_dtype(dtype):
-    """16-bit floats compute in float32, as torch's CPU kernels do."""
-    return jnp.float32 if dtype in (jnp.float16, jnp.bfloat16) else dtype
-
+from torchtpu.ops.util import canonical_dim, cast, opmath_dtype
 
 # -- distances -----------------------------------------------------------------------------
 
@@ -125,7 +119,7 @@ def _trilinear(i1, i2, i3, expand1, expand2, expand3, sumdim, unroll_dim=1):
 
     out = "".join(letters[d] for d in range(ndim) if d not in sumdim)
     spec = f"{subscript(expand1)},{subscript(expand2)},{subscript(expand3)}->{out}"
-    work = _opmath_dtype(i1.dtype)
+    work = opmath_dtype(i1.dtype)
     operands = (x.astype(work) for x in (i1, i2, i3))
     return jnp.einsum(spec, *operands, precision=lax.Precision.HIGHEST)
 
@@ -215,7 +209,7 @@ def resize(self, size, memory_format=None):
 def randn_like(
     self, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None, *, key
 ):
-    work = _opmath_dtype(dtypes.to_jax(dtype) if dtype is not None else self.dtype)
+    work = opmath_dtype(dtypes.to_jax(dtype) if dtype is not None else self.dtype)
     return jax.random.normal(key, self.shape, work)
 
 
@@ -750,7 +744,7 @@ def rrelu_with_noise(
         return jnp.where(self >= 0, self, self * jnp.asarray(slope, self.dtype)), noise
     # Training: each non-positive element is scaled by a uniform draw in [lower, upper],
     # which the noise records (1 elsewhere), as torch's CPU kernel.
-    work = _opmath_dtype(self.dtype)
+    work = opmath_dtype(self.dtype)
     draws = jax.random.uniform(key, self.shape, work, minval=lower, maxval=upper).astype(self.dtype)
     slope = jnp.where(self <= 0, draws, jnp.ones((), self.dtype))
     return self * slope, slope.astype(noise.dtype)

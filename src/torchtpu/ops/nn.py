@@ -16,7 +16,7 @@ from jax import lax
 
 from torchtpu.checks import error_if
 from torchtpu.ops.registry import aten, lowers
-from torchtpu.ops.util import canonical_dim, opmath
+from torchtpu.ops.util import canonical_dim, opmath, opmath_dtype
 
 _LOW_FLOATS = (jnp.float16, jnp.bfloat16)
 
@@ -601,7 +601,7 @@ def _grid_sample(input, grid, interpolation_mode, padding_mode, align_corners):
 
 @lowers(aten.grid_sampler_2d.default, aten.grid_sampler_3d.default)
 def grid_sampler(input, grid, interpolation_mode, padding_mode, align_corners):
-    compute = jnp.float32 if input.dtype in (jnp.float16, jnp.bfloat16) else input.dtype
+    compute = opmath_dtype(input.dtype)
     out = _grid_sample(
         input.astype(compute), grid.astype(compute), interpolation_mode, padding_mode, align_corners
     )

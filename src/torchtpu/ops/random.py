@@ -9,35 +9,33 @@ from jax import lax
 
 from torchtpu.checks import error_if
 from torchtpu.ops.registry import aten, lowers
+from torchtpu.ops.util import opmath_dtype
 
-
-def _float_work(dtype):
-    """Draw 16-bit floats in float32, then round: as torch's CPU generator does."""
-    return jnp.float32 if dtype in (jnp.float16, jnp.bfloat16) else dtype
+# 16-bit floats are drawn in float32, then rounded: as torch's CPU generator does.
 
 
 @lowers(aten.normal_.default, random=True)
 def normal_(self, mean=0.0, std=1.0, generator=None, *, key):
-    work = _float_work(self.dtype)
+    work = opmath_dtype(self.dtype)
     return (mean + std * jax.random.normal(key, self.shape, work)).astype(self.dtype)
 
 
 @lowers(aten.normal.Tensor_float, random=True)
 def normal_tensor_float(mean, std=1.0, generator=None, *, key):
-    work = _float_work(mean.dtype)
+    work = opmath_dtype(mean.dtype)
     return mean + std * jax.random.normal(key, mean.shape, work)
 
 
 @lowers(aten.normal.float_Tensor, random=True)
 def normal_float_tensor(mean, std, generator=None, *, key):
-    work = _float_work(std.dtype)
+    work = opmath_dtype(std.dtype)
     return mean + std * jax.random.normal(key, std.shape, work)
 
 
 @lowers(aten.normal.Tensor_Tensor, random=True)
 def normal_tensor_tensor(mean, std, generator=None, *, key):
     shape = jnp.broadcast_shapes(mean.shape, std.shape)
-    work = _float_work(jnp.result_type(mean, std))
+    work = opmath_dtype(jnp.result_type(mean, std))
     return mean + std * jax.random.normal(key, shape, work)
 
 
@@ -53,7 +51,7 @@ def uniform_(self, from_=0.0, to=1.0, generator=None, *, key):
         part = jnp.finfo(self.dtype).dtype
         pair = jax.random.uniform(key, self.shape + (2,), part, minval=from_, maxval=to)
         return lax.complex(pair[..., 0], pair[..., 1])
-    work = _float_work(self.dtype)
+    work = opmath_dtype(self.dtype)
     return jax.random.uniform(key, self.shape, work, minval=from_, maxval=to).astype(self.dtype)
 
 
@@ -79,7 +77,7 @@ def bernoulli_p(self, p, generator=None, *, key):
 
 @lowers(aten.exponential_.default, random=True)
 def exponential_(self, lambd=1.0, generator=None, *, key):
-    work = _float_work(self.dtype)
+    work = opmath_dtype(self.dtype)
     return (jax.random.exponential(key, self.shape, work) / lambd).astype(self.dtype)
 
 
@@ -90,13 +88,13 @@ def geometric_(self, p, generator=None, *, key):
 
 @lowers(aten.log_normal_.default, random=True)
 def log_normal_(self, mean=1.0, std=2.0, generator=None, *, key):
-    work = _float_work(self.dtype)
+    work = opmath_dtype(self.dtype)
     return jnp.exp(mean + std * jax.random.normal(key, self.shape, work)).astype(self.dtype)
 
 
 @lowers(aten.cauchy_.default, random=True)
 def cauchy_(self, median=0.0, sigma=1.0, generator=None, *, key):
-    work = _float_work(self.dtype)
+    work = opmath_dtype(self.dtype)
     return (median + sigma * jax.random.cauchy(key, self.shape, work)).astype(self.dtype)
 
 

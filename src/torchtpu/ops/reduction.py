@@ -240,9 +240,7 @@ def hash_tensor(self, dim=(), keepdim=False, mode=0):
 
 @lowers(aten.linalg_vector_norm.default, static=("ord",))
 def linalg_vector_norm(self, ord=2, dim=None, keepdim=False, dtype=None):
-    x = jnp.abs(self)
-    if x.dtype in (jnp.float16, jnp.bfloat16):
-        x = x.astype(jnp.float32)
+    x = opmath(jnp.abs(self))
     axes = _axes(self, dim)
     if ord == float("inf"):
         return jnp.max(x, axis=axes, keepdims=keepdim)

@@ -17,6 +17,7 @@ import numpy as np
 from jax import lax
 
 from torchtpu.ops.registry import aten, lowers
+from torchtpu.ops.util import opmath_dtype
 
 
 @lowers(aten.upsample_nearest2d.default)
@@ -228,7 +229,7 @@ def _upsample_bilinear2d_aa(self, output_size, align_corners, scales_h=None, sca
     if not jnp.issubdtype(self.dtype, jnp.floating):
         # torch's uint8 kernel rounds fixed-point weights: not reproduced here.
         raise NotImplementedError(f"_upsample_bilinear2d_aa of {self.dtype} on tpu")
-    compute = jnp.float32 if self.dtype in (jnp.float16, jnp.bfloat16) else self.dtype
+    compute = opmath_dtype(self.dtype)
     h_in, w_in = self.shape[-2:]
     real = np.float64 if compute == jnp.float64 else np.float32
     rows = jnp.asarray(_antialias_weights(h_in, output_size[0], align_corners, scales_h, real))

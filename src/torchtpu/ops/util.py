@@ -37,11 +37,19 @@ def cast(x, dtype):
     return x.astype(dtype)
 
 
-def opmath(x):
-    """``x`` in the dtype torch computes it in: float32 for float16 and bfloat16."""
+def opmath_dtype(dtype):
+    """The dtype torch's CPU kernels compute ``dtype`` in: float32 for 16-bit floats."""
     import jax.numpy as jnp
 
-    return x.astype(jnp.float32) if x.dtype in (jnp.float16, jnp.bfloat16) else x
+    return jnp.float32 if dtype in (jnp.float16, jnp.bfloat16) else dtype
+
+
+def opmath(x):
+    """``x`` in its `opmath_dtype` (Python numbers as they are)."""
+    if not hasattr(x, "dtype"):
+        return x
+    work = opmath_dtype(x.dtype)
+    return x if x.dtype == work else x.astype(work)
 
 
 def complex_logaddexp(x, y):
