@@ -25,7 +25,6 @@ import jax  # noqa: E402
 import torch  # noqa: E402
 
 import torchtpu  # noqa: E402
-
 from benchmarks.eager_modes import (  # noqa: E402
     _us,
     jax_mlp_step_fn,

@@ -31,7 +31,7 @@ def _fresh_state(request):
     CPU fallback unless marked ``allow_fallback``: the ops the suite covers must have
     lowerings. (Checked here rather than by turning TPUFallbackWarning into an error:
     an exception raised from a warning inside autograd's engine aborts the process.)"""
-    from torchtpu import checks
+    from torchtpu.dispatch import checks
 
     torchtpu.reset_metrics()
     checks._pending.clear()

@@ -119,7 +119,12 @@ def test_models_compile_without_graph_breaks(name):
 @pytest.mark.parametrize("name", MODELS)
 def test_compiled_training_matches_cpu(name):
     """Forward and backward compiled (two XLA programs), the optimizer eager."""
-    _assert_trains_like_cpu(name, 3, wrap_model=lambda m: torch.compile(m, backend="tpu"))
+    # XLA fuses the compiled backward's reductions in its own order: after three SGD
+    # steps a bias of the block differs from the CPU's by up to ~2.5e-5 (float32
+    # rounding, not a wrong gradient; the eager paths match to 1e-5).
+    _assert_trains_like_cpu(
+        name, 3, state_atol=5e-5, wrap_model=lambda m: torch.compile(m, backend="tpu")
+    )
     metrics = torchtpu.metrics()
     assert metrics["compiles"]["graph"] == 2  # one forward, one backward
     assert metrics["compiled_calls"]["graph"] == 6
@@ -168,7 +173,8 @@ def test_dynamic_true_compiles_one_program_per_shape():
 
 @pytest.mark.allow_fallback
 def test_op_without_lowering_in_a_graph_raises_naming_it(monkeypatch):
-    from torchtpu import dispatch, fallback
+    from torchtpu.dispatch import core as dispatch
+    from torchtpu.dispatch import fallback
 
     monkeypatch.setitem(dispatch._HANDLERS, aten.tanh.default, fallback.run_on_cpu)
     compiled = torch.compile(lambda x: torch.tanh(x) * 2, backend="tpu")
@@ -335,7 +341,7 @@ def test_jit_refuses_an_in_place_write_to_an_argument():
 
 def test_error_in_backward_is_raised_not_aborted(monkeypatch):
     """Note [Why backward errors are deferred]: the error surfaces at the next op."""
-    from torchtpu import dispatch
+    from torchtpu.dispatch import core as dispatch
 
     def broken(func, args, kwargs):
         raise ValueError("lowering failed")
@@ -351,7 +357,7 @@ def test_error_in_backward_is_raised_not_aborted(monkeypatch):
 
 
 def test_error_in_a_compiled_backward_is_raised_not_aborted(monkeypatch):
-    from torchtpu import dispatch
+    from torchtpu.dispatch import core as dispatch
 
     def broken(func, args, kwargs):
         raise ValueError("lowering failed")

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 import torchtpu
 from conftest import assert_same
-from torchtpu import defer
+from torchtpu.dispatch import defer
 
 
 @pytest.fixture
@@ -78,7 +78,8 @@ def test_flush_points(read, reason):
 @pytest.mark.allow_fallback
 @pytest.mark.filterwarnings("ignore::torchtpu.TPUFallbackWarning")
 def test_cpu_fallback_flushes(deferred, monkeypatch):
-    from torchtpu import dispatch, fallback
+    from torchtpu.dispatch import core as dispatch
+    from torchtpu.dispatch import fallback
 
     # Pretend sin has no lowering, so it runs on the CPU fallback.
     monkeypatch.setitem(dispatch._HANDLERS, torch.ops.aten.sin.default, fallback.run_on_cpu)

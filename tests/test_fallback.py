@@ -24,7 +24,8 @@ def _call():
 
 @pytest.fixture
 def fallback_on(monkeypatch):
-    from torchtpu import dispatch, fallback
+    from torchtpu.dispatch import core as dispatch
+    from torchtpu.dispatch import fallback
 
     monkeypatch.setattr(torchtpu.config, "cpu_fallback", True)
     monkeypatch.setitem(dispatch._HANDLERS, NO_LOWERING, fallback.run_on_cpu)
@@ -54,7 +55,7 @@ def test_fallback_can_be_turned_into_an_error(fallback_on):
 
 @pytest.mark.allow_fallback
 def test_fallback_writes_mutated_arguments_back(fallback_on):
-    from torchtpu.fallback import run_on_cpu
+    from torchtpu.dispatch.fallback import run_on_cpu
 
     x = torch.zeros(3, device="tpu")
     with warnings.catch_warnings():

@@ -7,7 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from conftest import assert_same
-from torchtpu import matmul_precision, plans
+from torchtpu import matmul_precision
+from torchtpu.dispatch import plans
 
 
 def _mm_precisions():

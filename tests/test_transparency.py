@@ -13,7 +13,8 @@ import pytest
 import torch
 
 import torchtpu
-from torchtpu import config, perf_warnings
+from torchtpu import config
+from torchtpu.observe import perf_warnings
 
 
 @pytest.fixture(autouse=True)
@@ -137,7 +138,8 @@ def test_explain_accounts_for_flushes_compiles_and_fallbacks():
 
 @pytest.mark.allow_fallback
 def test_explain_names_fallbacks(monkeypatch):
-    from torchtpu import dispatch, fallback
+    from torchtpu.dispatch import core as dispatch
+    from torchtpu.dispatch import fallback
 
     # Pretend sin has no lowering, so it runs on the CPU fallback.
     monkeypatch.setitem(dispatch._HANDLERS, torch.ops.aten.sin.default, fallback.run_on_cpu)

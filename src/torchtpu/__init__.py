@@ -18,12 +18,17 @@ import sys
 import torch
 
 from torchtpu import config, device
-from torchtpu.counters import metrics, metrics_report, reset_metrics
-from torchtpu.explain import Explanation, explain
-from torchtpu.fallback import TPUFallbackWarning
+from torchtpu.dispatch.fallback import TPUFallbackWarning
+from torchtpu.dispatch.modes import EagerMode, set_eager_mode
+from torchtpu.dispatch.synchronize import sync
 from torchtpu.matmul_precision import Precision, precision
-from torchtpu.modes import EagerMode, set_eager_mode
-from torchtpu.perf_warnings import TPUFlushWarning, TPUPerformanceWarning, TPURecompileWarning
+from torchtpu.observe.explain import Explanation, explain_call
+from torchtpu.observe.metrics import metrics, metrics_report, reset_metrics
+from torchtpu.observe.perf_warnings import (
+    TPUFlushWarning,
+    TPUPerformanceWarning,
+    TPURecompileWarning,
+)
 from torchtpu.tensor import TPUTensor
 
 __version__ = "0.1.0"
@@ -89,15 +94,11 @@ def to_tpu(obj, device: str | int | torch.device = "tpu"):
     return optree.tree_map(move, obj, none_is_leaf=True)
 
 
-def sync() -> None:
-    """Wait for every queued op to finish; raise any pending value check (e.g. an
-    index out of range) with the op and user line that caused it."""
-    if "jax" not in sys.modules:  # no tpu tensor was ever made
-        return
-    import jax
+def explain(fn, *args, **kwargs) -> Explanation:
+    """Run ``fn(*args, **kwargs)`` once, finish its work (``torchtpu.sync()``), and return
+    an `Explanation`: ops per mode, flushes with reasons and user lines, compilations,
+    fallbacks. Its ``result`` is what ``fn`` returned. Example::
 
-    from torchtpu import checks, defer
-
-    defer.flush("sync")
-    checks.raise_pending()
-    jax.block_until_ready(jax.live_arrays())
+        print(torchtpu.explain(train_step, batch))
+    """
+    return explain_call(fn, args, kwargs, finish=sync)

@@ -15,9 +15,10 @@ import types
 
 import torch
 
-from torchtpu import autocast, dtypes, modes, rng
+from torchtpu import autocast, dtypes, rng, runtime
+from torchtpu.dispatch import modes
+from torchtpu.dispatch.modes import EagerMode, set_eager_mode
 from torchtpu.matmul_precision import Precision, precision
-from torchtpu.modes import EagerMode, set_eager_mode
 
 __all__ = [
     "EagerMode",
@@ -37,8 +38,6 @@ __all__ = [
     "set_rng_state",
     "synchronize",
 ]
-
-_current_device = 0
 
 
 # -- the device module (torch.tpu) ------------------------------------------------------------
@@ -65,31 +64,30 @@ def device_count() -> int:
 
 
 def current_device() -> int:
-    return _current_device
+    return runtime.current_index()
 
 
 def set_device(device) -> None:
-    global _current_device
     index = _index(device)
     if not 0 <= index < device_count():
         raise RuntimeError(f"tpu:{index} does not exist: {device_count()} device(s) available")
-    _current_device = index
+    runtime.set_current_index(index)
 
 
 def _index(device) -> int:
     if device is None:
-        return _current_device
+        return runtime.current_index()
     if isinstance(device, int):
         return device
     device = torch.device(device)
     if device.type != "tpu":
         raise ValueError(f"expected a tpu device, got {device}")
-    return device.index if device.index is not None else _current_device
+    return device.index if device.index is not None else runtime.current_index()
 
 
 def synchronize(device=None) -> None:
     """Wait until every op on the device has finished (raises pending value checks)."""
-    from torchtpu import sync
+    from torchtpu.dispatch.synchronize import sync
 
     sync()
 
@@ -125,7 +123,7 @@ def get_device_properties(device=None) -> _DeviceProperties:
 
 
 def manual_seed(seed) -> None:
-    rng.manual_seed(seed, _current_device)
+    rng.manual_seed(seed, runtime.current_index())
 
 
 def manual_seed_all(seed) -> None:
@@ -147,7 +145,7 @@ def _random_seed() -> int:
 
 
 def initial_seed() -> int:
-    return rng.initial_seed(_current_device)
+    return rng.initial_seed(runtime.current_index())
 
 
 def get_rng_state(device="tpu") -> torch.Tensor:
@@ -227,6 +225,7 @@ def _empty_strided(size, stride, *, dtype=None, layout=None, device=None, pin_me
 
 
 def _empty(size, stride, dtype, device, memory_format):
+    load_runtime()
     from torchtpu.tensor import empty_tensor
 
     dtype = dtype or torch.get_default_dtype()
@@ -259,18 +258,30 @@ def _quantized_allocation(*args, **kwargs):
 def _copy_from(self, dst, non_blocking=False):
     # Reached instead of __torch_dispatch__ where torch excludes Python dispatch while
     # filling a new tensor (``torch.tensor(data, device="tpu")``).
-    from torchtpu.dispatch import dispatch
-
-    return dispatch(torch.ops.aten.copy_.default, (dst, self, non_blocking), {})
+    return load_runtime()(torch.ops.aten.copy_.default, (dst, self, non_blocking), {})
 
 
 def _factory_kernel(op):
     def kernel(*args, **kwargs):
-        from torchtpu.dispatch import dispatch
-
-        return dispatch(op, args, kwargs)
+        return load_runtime()(op, args, kwargs)
 
     return kernel
+
+
+_dispatch = None
+
+
+def load_runtime():
+    """The dispatcher, imported on first use (it imports JAX): importing it and
+    torch.compile's handles installs their entry points into TPUTensor (tensor.py
+    ``hooks``). Every tpu tensor is first made by a kernel here, which calls this."""
+    global _dispatch
+    if _dispatch is None:
+        import torchtpu.compile.handles  # noqa: F401
+        from torchtpu.dispatch.core import dispatch
+
+        _dispatch = dispatch
+    return _dispatch
 
 
 def register() -> None:

@@ -23,7 +23,21 @@ from torch._tensor_str import (
 from torchtpu import dtypes
 from torchtpu.storage import Storage, ViewChain
 
-_dispatch = None  # torchtpu.dispatch.dispatch, imported on first use (it imports JAX)
+
+class _Hooks:
+    """What the layers above this module supply: the dispatcher (dispatch/core.py) and
+    torch.compile's handles (compile/handles.py). Each installs its functions here when
+    it is imported; the device module imports both before it makes the first tpu
+    tensor (device.py ``load_runtime``). So this module, at the bottom of the package,
+    imports neither (they import it), and ``import torch`` does not import JAX."""
+
+    dispatch = None  # (func, args, kwargs) -> what the aten op returns
+    dispatch_traced = None  # the same, for ops on traced wrappers under torch.compile
+    handle_of = None  # TPUTensor -> its inner tensor for torch.compile
+    unflatten = None  # (inner tensor, size, stride) -> TPUTensor
+
+
+hooks = _Hooks()
 
 # torch.device objects, one per index, built once.
 _DEVICES: dict[int, torch.device] = {}
@@ -80,14 +94,9 @@ class TPUTensor(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        global _dispatch
-        if _dispatch is None:
-            from torchtpu.dispatch import dispatch as _dispatch
         if _tracing_seen and _any_traced(args, kwargs):
-            from torchtpu.handles import dispatch_traced
-
-            return dispatch_traced(func, args, kwargs or {})
-        return _dispatch(func, args, kwargs or {})
+            return hooks.dispatch_traced(func, args, kwargs or {})
+        return hooks.dispatch(func, args, kwargs or {})
 
     # -- torch.compile: a traceable wrapper subclass of one handle (handles.py) ----------
 
@@ -96,15 +105,11 @@ class TPUTensor(torch.Tensor):
 
     @staticmethod
     def __tensor_unflatten__(inner_tensors, ctx, outer_size, outer_stride):
-        from torchtpu.handles import unflatten
-
-        return unflatten(inner_tensors["_handle"], outer_size, outer_stride)
+        return hooks.unflatten(inner_tensors["_handle"], outer_size, outer_stride)
 
     @property
     def _handle(self):
-        from torchtpu.handles import handle_of
-
-        return handle_of(self)
+        return hooks.handle_of(self)
 
     # ``t.data = new`` swaps torch's metadata in C++; the data must follow. (nn.Module
     # conversions such as ``model.half()`` assign ``param.data`` this way.)

@@ -5,7 +5,12 @@ programs the same way: inside ``jax.jit``, they run torch ops through the ordina
 dispatcher on TPUTensors whose storages hold JAX tracers. Lowerings, views, in-place
 writes and type promotion are then exactly eager's, from the same table.
 
-While a trace is active (`trace`):
+This module is the trace *slot*: whether one is active and what it collects. It sits
+at the bottom of the package because the eager machinery below the compilers (random
+keys, storages, value checks, host reads) consults it; the compilers start and end
+traces (compile/program.py ``trace``).
+
+While a trace is active:
 
 - ops run at once, as in Strict: nothing is queued (DeferAndFuse) or waited on (Debug);
 - random ops draw their keys from the program's seed and offset *inputs*, so each run
@@ -19,12 +24,6 @@ on its own thread.
 """
 
 from __future__ import annotations
-
-import contextlib
-
-import torch
-
-from torchtpu import modes
 
 
 class Trace:
@@ -49,25 +48,6 @@ _active: Trace | None = None
 
 def active() -> Trace | None:
     return _active
-
-
-@contextlib.contextmanager
-def trace(seed, offset):
-    """Run the body as a trace (see the module docstring); yields the `Trace`."""
-    global _active
-    from torchtpu import defer
-
-    defer.flush("compiled call")  # queued eager ops run first, outside the program
-    previous, previous_mode = _active, modes._current
-    _active = Trace(seed, offset)
-    modes._current = modes.EagerMode.DEFER_NEVER
-    try:
-        # JAX's tracing state is per thread: a backward() inside the traced code must
-        # run on this thread, not on autograd's device thread.
-        with torch.autograd.set_multithreading_enabled(False):
-            yield _active
-    finally:
-        _active, modes._current = previous, previous_mode
 
 
 def refuse(what: str, op=None) -> None:

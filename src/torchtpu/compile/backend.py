@@ -30,9 +30,10 @@ from torch._dynamo.backends import registry as _registry
 from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.backends.registry import register_backend
 
-from torchtpu import backward_errors, handles
+from torchtpu.compile import handles
 from torchtpu.compile.program import Program, tensor_of
-from torchtpu.plans import materialize
+from torchtpu.dispatch import backward_errors
+from torchtpu.dispatch.plans import materialize
 from torchtpu.tensor import TPUTensor
 
 
@@ -94,7 +95,7 @@ def _compile_graph(gm: torch.fx.GraphModule, example_inputs):
             if not backward_errors.in_backward():
                 raise
             # Note [Why backward errors are deferred]
-            return backward_errors.poisoned_handles(exc, _output_values(gm))
+            return _poisoned_handles(exc, _output_values(gm))
         results, arrays_out = [], iter(outputs)
         for spec in layout:
             results.append(
@@ -136,3 +137,15 @@ _trace_rules.add("torchtpu")
 # (and would refuse a second registration); imported directly, it registers here.
 if "tpu" not in _registry._BACKENDS:
     register_backend(tpu_backend, name="tpu")
+
+
+def _poisoned_handles(exc: BaseException, values: list) -> list:
+    """A compiled backward graph's outputs (handles.py) that raise ``exc`` when read."""
+    exc.add_note("torchtpu: raised by a compiled backward graph")
+    backward_errors._raised.append(exc)
+    return [
+        handles.make_handle(backward_errors.failed(v.shape, v.dtype, exc), v.dtype)
+        if isinstance(v, torch.Tensor)
+        else v
+        for v in values
+    ]

@@ -4,24 +4,43 @@ Both compiled paths hand a Program a *trace function*: given a hashable ``static
 description of the inputs and their arrays (JAX tracers at trace time), it runs torch
 ops on TPUTensors holding those arrays and returns its output arrays and a *layout*
 (how to rebuild the Python results). The Program runs it inside ``jax.jit`` under
-`tracing.trace`, so the random ops' seed and offset are program inputs and value
+`trace`, so the random ops' seed and offset are program inputs and value
 checks are program outputs, and after each run it advances the RNG and files the
 checks as eager ops do (checks.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
 
-from torchtpu import checks, counters, modes, rng, tracing
-from torchtpu.errors import user_frame
+from torchtpu import rng, tracing
+from torchtpu.dispatch import checks, defer, modes
+from torchtpu.observe import metrics
+from torchtpu.observe.locations import user_frame
 from torchtpu.runtime import jax
 from torchtpu.storage import Storage, _contiguous_strides
 from torchtpu.tensor import TPUTensor
+
+
+@contextlib.contextmanager
+def trace(seed, offset):
+    """Run the body as a trace (see tracing.py); yields the `Trace`."""
+    defer.flush("compiled call")  # queued eager ops run first, outside the program
+    previous, previous_mode = tracing._active, modes._current
+    tracing._active = tracing.Trace(seed, offset)
+    modes._current = modes.EagerMode.DEFER_NEVER
+    try:
+        # JAX's tracing state is per thread: a backward() inside the traced code must
+        # run on this thread, not on autograd's device thread.
+        with torch.autograd.set_multithreading_enabled(False):
+            yield tracing._active
+    finally:
+        tracing._active, modes._current = previous, previous_mode
 
 
 class _Traced(NamedTuple):
@@ -41,7 +60,7 @@ class Program:
         self._last: _Traced | None = None
 
     def _traced(self, static, seed, offset, *arrays):
-        with tracing.trace(seed, offset) as t:
+        with trace(seed, offset) as t:
             outputs, layout = self._trace_fn(static, arrays)
         self._last = _Traced(layout, t.draws, [(e, m) for _, e, m in t.checks])
         return list(outputs), [flag for flag, _, _ in t.checks]
@@ -57,10 +76,10 @@ class Program:
             # A new signature: this call traced and compiled (or loaded from JAX's
             # persistent cache) a program. The seconds include its first run.
             traced = self._signatures[signature] = self._last
-            counters.count("compiles", self.kind)
-            counters.count("compile_seconds", self.kind, time.perf_counter() - start)
-            counters.event("compile", op=f"compiled {self.kind}", where=user_frame())
-        counters.count("compiled_calls", self.kind)
+            metrics.count("compiles", self.kind)
+            metrics.count("compile_seconds", self.kind, time.perf_counter() - start)
+            metrics.event("compile", op=f"compiled {self.kind}", where=user_frame())
+        metrics.count("compiled_calls", self.kind)
         rng.advance(device, traced.draws)
         if traced.check_infos:
             if modes.is_debug():

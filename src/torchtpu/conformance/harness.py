@@ -26,8 +26,8 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
 import torchtpu
-from torchtpu import checks
 from torchtpu.conformance import compare
+from torchtpu.dispatch import checks
 
 #: Eager modes the suite runs in. Adding a mode is adding its name here.
 MODES = ("strict", "debug", "defer")

@@ -13,9 +13,9 @@ import jax.numpy as jnp
 from jax import lax
 from jax.scipy import special as jsp
 
-from torchtpu.checks import error_if
 from torchtpu.ops.registry import aten, lowers, prims
 from torchtpu.ops.util import canonical_dim, cast, complex_logaddexp, opmath
+from torchtpu.ops.value_checks import error_if
 
 
 def _is_int(x) -> bool:

@@ -12,9 +12,9 @@ import math
 import jax
 import jax.numpy as jnp
 
-from torchtpu.checks import error_if
 from torchtpu.ops.registry import aten, lowers
 from torchtpu.ops.util import canonical_dim, cast
+from torchtpu.ops.value_checks import error_if
 
 
 def _check_bounds(index, size, dim, exc=IndexError, message=None, negative=True):

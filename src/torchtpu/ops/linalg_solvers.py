@@ -21,8 +21,8 @@ from jax import lax
 from torch.linalg import LinAlgError
 
 from torchtpu import runtime
-from torchtpu.checks import error_if
 from torchtpu.ops.registry import aten, lowers
+from torchtpu.ops.value_checks import error_if
 
 
 def _mT(x):

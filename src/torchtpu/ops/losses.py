@@ -14,9 +14,9 @@ import torch.nn.modules.linear_cross_entropy  # noqa: F401  (registers the torch
 from jax import lax
 
 from torchtpu import dtypes
-from torchtpu.checks import error_if
 from torchtpu.ops.registry import aten, lowers
 from torchtpu.ops.util import opmath
+from torchtpu.ops.value_checks import error_if
 
 # -- losses -------------------------------------------------------------------------------------
 

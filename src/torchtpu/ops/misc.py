@@ -10,9 +10,9 @@ import torch
 from jax import lax
 
 from torchtpu import dtypes
-from torchtpu.checks import error_if
 from torchtpu.ops.registry import aten, lowers
 from torchtpu.ops.util import canonical_dim, cast, opmath_dtype
+from torchtpu.ops.value_checks import error_if
 
 # -- distances -----------------------------------------------------------------------------
 

@@ -14,9 +14,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from torchtpu.checks import error_if
 from torchtpu.ops.registry import aten, lowers
 from torchtpu.ops.util import canonical_dim, opmath, opmath_dtype
+from torchtpu.ops.value_checks import error_if
 
 _LOW_FLOATS = (jnp.float16, jnp.bfloat16)
 

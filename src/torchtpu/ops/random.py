@@ -7,9 +7,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from torchtpu.checks import error_if
 from torchtpu.ops.registry import aten, lowers
 from torchtpu.ops.util import opmath_dtype
+from torchtpu.ops.value_checks import error_if
 
 # 16-bit floats are drawn in float32, then rounded: as torch's CPU generator does.
 

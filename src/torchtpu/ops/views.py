@@ -4,7 +4,7 @@ As views (``view=True``) they make tensors that share storage (storage.py); thei
 ``*_copy`` twins are the same functions as plain computations (decompositions and
 compiled graphs use those). Reshape-, permute- and dtype-like views carry an exact
 inverse; index-like views (slice, select, diagonal, unfold, as_strided, split, unbind)
-use storage.py's generic scatter.
+use view_chains.py's generic scatter.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from torchtpu import storage
+from torchtpu.ops import view_chains
 from torchtpu.ops.registry import aten, lowers
 from torchtpu.ops.util import canonical_dim
 
@@ -48,7 +49,7 @@ def _slice_back(base, value, dim, start, end, step, index=None):
     start, _, step = _slice_bounds(base.shape[dim], start, end, step)
     if step == 1:
         return lax.dynamic_update_slice_in_dim(base, value.astype(base.dtype), start, dim)
-    return storage.scatter_into(
+    return view_chains.scatter_into(
         base, storage.ViewStep(aten.slice.Tensor, (dim, start, end, step)), value
     )
 
@@ -60,7 +61,7 @@ def _select_back(base, value, dim, index_, index=None):
 
 
 def _expand_back(base, value, size, implicit=False, index=None):
-    # The copies of an element share its storage. storage.write refuses writes into
+    # The copies of an element share its storage. view_chains.write refuses writes into
     # the expanded tensor itself, so a write reaching here came through a view (e.g.
     # a select) that exposes at most one copy of each element: that copy, where it
     # changed, is the element's new value.

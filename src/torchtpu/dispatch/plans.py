@@ -32,14 +32,17 @@ from typing import NamedTuple
 import torch
 from torch._prims_common import elementwise_dtypes
 
-from torchtpu import checks, config, counters, defer, dtypes, perf_warnings, rng, storage, tracing
+from torchtpu import config, dtypes, rng, storage, tracing
 from torchtpu import matmul_precision as _precision
-from torchtpu.defer import Pending
-from torchtpu.errors import add_context, name_op, user_frame
-from torchtpu.modes import EagerMode
+from torchtpu.dispatch import checks, defer
+from torchtpu.dispatch.defer import Pending
+from torchtpu.dispatch.modes import EagerMode
+from torchtpu.dispatch.schema import Kind, SchemaInfo
+from torchtpu.observe import metrics, perf_warnings
+from torchtpu.observe.locations import add_context, name_op, user_frame
+from torchtpu.ops import value_checks, view_chains
 from torchtpu.ops.util import cast
 from torchtpu.runtime import jax
-from torchtpu.schema import Kind, SchemaInfo
 from torchtpu.storage import Storage
 from torchtpu.tensor import TPUTensor
 
@@ -208,8 +211,8 @@ class Plan:
             start = time.perf_counter()
             flat = self._call(args, device)
             self.compiled = True
-            counters.count("compiles", "op")
-            counters.count("compile_seconds", "op", time.perf_counter() - start)
+            metrics.count("compiles", "op")
+            metrics.count("compile_seconds", "op", time.perf_counter() - start)
         else:
             flat = self._call(args, device)
         if debug:
@@ -260,7 +263,7 @@ class Plan:
         return self.call(*args)
 
 
-_PLANS = counters.LRUCache("op_cache", lambda: config.op_cache_size)
+_PLANS = metrics.LRUCache("op_cache", lambda: config.op_cache_size)
 _UIDS = itertools.count()
 
 
@@ -291,7 +294,7 @@ def run(op, lowering, info: SchemaInfo, values: list, mode: EagerMode):
         # In DeferAndFuse chunks compile, and in a trace the program does.
         if mode is not EagerMode.DEFER_AND_FUSE and tracing._active is None:
             where = user_frame()
-            counters.event("compile", op=str(op), where=where)
+            metrics.event("compile", op=str(op), where=where)
             perf_warnings.note_compile(
                 str(op), where, key, lambda old, new: describe_change(info, old, new)
             )
@@ -359,7 +362,7 @@ def _run_dynamic(op, lowering, info: SchemaInfo, values: list):
             return jnp.asarray(value.item(), dtypes.to_jax(value.dtype))
         return value
 
-    counters.count("dynamic_shape", str(op))
+    metrics.count("dynamic_shape", str(op))
     try:
         result = lowering.fn(*[concrete(v) for v in values])
     except Exception as exc:
@@ -392,12 +395,12 @@ def materialize(t: TPUTensor):
             shape, dtype = s.shape, dtypes.to_jax(s.dtype)
 
             def read():
-                return storage.read(jnp.zeros(shape, dtype), chain)
+                return view_chains.read(jnp.zeros(shape, dtype), chain)
 
         else:
 
             def read(base):
-                return storage.read(base, chain)
+                return view_chains.read(base, chain)
 
         reader = _READERS[key] = jax().jit(read)
     if s.array is None:
@@ -421,9 +424,9 @@ def _factory_device(info: SchemaInfo, values: list) -> int:
 
 
 def _current_device() -> int:
-    from torchtpu import device
+    from torchtpu.runtime import current_index
 
-    return device.current_device()
+    return current_index()
 
 
 def wrap(array, meta: OutMeta, device: int) -> TPUTensor:
@@ -458,7 +461,7 @@ def _assemble(plan: Plan, values: list, outputs, device: int):
         elif kind == "none":
             results.append(None)
         else:  # "scalar": a Python number, read back now
-            from torchtpu.transfer import to_host
+            from torchtpu.dispatch.checks import to_host
 
             results.append(to_host(outputs[payload]).item())
     if len(results) == 1:
@@ -724,7 +727,7 @@ def _build(op, lowering, info: SchemaInfo, sig: Signature) -> Plan:
                 return None
             tag = spec[0]
             if tag == "t":
-                v = storage.read(bases[spec[1]], spec[2][4])
+                v = view_chains.read(bases[spec[1]], spec[2][4])
             elif tag == "l":
                 return [value_of(s, name) for s in spec[1]]
             elif tag == "c":
@@ -747,7 +750,7 @@ def _build(op, lowering, info: SchemaInfo, sig: Signature) -> Plan:
             extra["key"] = rng.key(rest[0], rest[1])
         if lowering.precision:
             extra["precision"] = precision
-        with checks.collect() as collected:
+        with value_checks.collect() as collected:
             result = lowering.fn(*values, **extra)
         # The message names the op once; where it ran is added when it is raised.
         plan.check_infos = [
@@ -776,7 +779,7 @@ def _build(op, lowering, info: SchemaInfo, sig: Signature) -> Plan:
             else:
                 _, slot, chain, dtype, shape = t
                 v = jnp.broadcast_to(cast(v, dtype), shape)
-                bases[slot] = storage.write(bases[slot], chain, v, check_overlap)
+                bases[slot] = view_chains.write(bases[slot], chain, v, check_overlap)
         plan.traced = True
         return (*new, *(bases[s] for s in written), *(flag for flag, _, _ in collected))
 
@@ -818,6 +821,6 @@ def _flatten_result(result) -> list:
 
 
 def _lowering_info(lowering):
-    from torchtpu.schema import info
+    from torchtpu.dispatch.schema import info
 
     return info(lowering.op)

@@ -81,7 +81,7 @@ def set_current(mode: EagerMode | str) -> None:
     global _current
     mode = to_mode(mode)
     if _current is EagerMode.DEFER_AND_FUSE and mode is not _current and "jax" in sys.modules:
-        from torchtpu import defer
+        from torchtpu.dispatch import defer
 
         defer.flush("mode change")
     _current = mode

@@ -14,8 +14,9 @@ import warnings
 import torch
 from torch.utils._pytree import tree_map
 
-from torchtpu import config, counters, tracing
-from torchtpu.errors import user_frame, user_stacklevel
+from torchtpu import config, tracing
+from torchtpu.observe import metrics
+from torchtpu.observe.locations import user_frame, user_stacklevel
 
 
 class TPUFallbackWarning(UserWarning):
@@ -26,10 +27,10 @@ _warned: set = set()
 
 
 def run_on_cpu(func, args, kwargs):
-    from torchtpu.dispatch import from_cpu
-    from torchtpu.plans import materialize
+    from torchtpu.dispatch.checks import to_host
+    from torchtpu.dispatch.core import from_cpu
+    from torchtpu.dispatch.plans import materialize
     from torchtpu.tensor import TPUTensor
-    from torchtpu.transfer import to_host
 
     if tracing._active is not None:
         tracing.refuse("it has no tpu lowering, so it would run on the CPU", func)
@@ -38,10 +39,10 @@ def run_on_cpu(func, args, kwargs):
             f"torchtpu: {func} has no tpu lowering and the CPU fallback is off "
             "(torchtpu.config.cpu_fallback / TORCHTPU_CPU_FALLBACK)"
         )
-    counters.count("fallback", str(func))
-    if counters._recorders:
-        counters.event("fallback", op=str(func), where=user_frame())
-    from torchtpu import defer
+    metrics.count("fallback", str(func))
+    if metrics._recorders:
+        metrics.event("fallback", op=str(func), where=user_frame())
+    from torchtpu.dispatch import defer
 
     defer.flush("cpu fallback")
     if func not in _warned:

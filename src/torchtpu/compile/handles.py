@@ -28,8 +28,8 @@ from __future__ import annotations
 import torch
 from torch.utils._pytree import tree_map_only
 
-from torchtpu import schema
 from torchtpu import tensor as tensor_module
+from torchtpu.dispatch import schema
 from torchtpu.tensor import TPUTensor
 
 
@@ -62,8 +62,8 @@ def handle_of(t: TPUTensor) -> torch.Tensor:
     cached = t.__dict__.get("_handle_cache")
     if cached is not None and cached[0] is t._storage.array and cached[1] is t._meta:
         return cached[2]
-    from torchtpu import defer
-    from torchtpu.plans import materialize
+    from torchtpu.dispatch import defer
+    from torchtpu.dispatch.plans import materialize
 
     if defer.pending_count():
         defer.flush("compiled call")  # queued eager ops run before the compiled ones
@@ -116,3 +116,8 @@ def dispatch_traced(func, args, kwargs):
     if written is not None:
         return written  # an in-place or out= op returns the tensors it wrote
     return tree_map_only(torch.Tensor, wrap_traced, out)
+
+
+tensor_module.hooks.dispatch_traced = dispatch_traced
+tensor_module.hooks.handle_of = handle_of
+tensor_module.hooks.unflatten = unflatten

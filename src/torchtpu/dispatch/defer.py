@@ -21,8 +21,10 @@ from __future__ import annotations
 import time
 import weakref
 
-from torchtpu import checks, config, counters, perf_warnings
-from torchtpu.errors import user_frame
+from torchtpu import config
+from torchtpu.dispatch import checks
+from torchtpu.observe import metrics, perf_warnings
+from torchtpu.observe.locations import user_frame
 from torchtpu.runtime import jax
 
 
@@ -117,7 +119,7 @@ class _Chunk:
         self.compiled = False
 
         def chunk(*externals):
-            counters.count("compiles", "chunk")
+            metrics.count("compiles", "chunk")
             results = []
             flags = []
             owners = []
@@ -144,7 +146,7 @@ class _NodeError(Exception):
         self.position, self.cause = position, cause
 
 
-_CHUNKS = counters.LRUCache("chunk_cache", lambda: config.chunk_cache_size)
+_CHUNKS = metrics.LRUCache("chunk_cache", lambda: config.chunk_cache_size)
 
 
 def flush(reason: str) -> None:
@@ -154,7 +156,7 @@ def flush(reason: str) -> None:
     if not q.nodes:
         return
     _queue = _Queue()  # reentrancy: anything recorded from here on is a new chunk
-    counters.count("flushes", reason)
+    metrics.count("flushes", reason)
     perf_warnings.note_read()
     where = user_frame()
     if reason == "value read":
@@ -166,10 +168,10 @@ def flush(reason: str) -> None:
             if pending is not None:
                 live.append((position, index))
                 live_pendings.append(pending)
-    counters.count("chunk_values", "outputs", len(live))
+    metrics.count("chunk_values", "outputs", len(live))
     dropped = sum(len(node.outputs) for node in q.nodes) - len(live)
     if dropped:
-        counters.count("chunk_values", "dropped", dropped)
+        metrics.count("chunk_values", "dropped", dropped)
     if not live_pendings:
         return
     key = (tuple((node.plan.uid, node.refs) for node in q.nodes), tuple(live))
@@ -183,7 +185,7 @@ def flush(reason: str) -> None:
         )
 
     def record_event(failed: bool) -> None:
-        counters.event(
+        metrics.event(
             "flush", reason=reason, where=where, ops=len(q.nodes), outputs=len(live),
             compiled=compiled, failed=failed,
         )  # fmt: skip
@@ -193,7 +195,7 @@ def flush(reason: str) -> None:
         values, flags = chunk.call(*q.externals)
         if not chunk.compiled:
             chunk.compiled = True
-            counters.count("compile_seconds", "chunk", time.perf_counter() - start)
+            metrics.count("compile_seconds", "chunk", time.perf_counter() - start)
     except Exception as exc:
         record_event(failed=True)
         error = _annotate(exc, q.nodes)
@@ -210,8 +212,8 @@ def flush(reason: str) -> None:
 
 def _describe_change(old, new) -> str:
     """What differs between two chunks compiled from the same line."""
-    from torchtpu.plans import describe_change
-    from torchtpu.schema import info
+    from torchtpu.dispatch.plans import describe_change
+    from torchtpu.dispatch.schema import info
 
     (old_plans, old_live), (new_plans, new_live) = old, new
     for position, (a, b) in enumerate(zip(old_plans, new_plans)):

@@ -7,7 +7,7 @@ import sys
 
 import torch
 
-_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # torchtpu/
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
 _LIBRARY_DIRS = (_PACKAGE_DIR + os.sep, _TORCH_DIR + os.sep)
 

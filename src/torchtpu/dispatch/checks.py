@@ -1,6 +1,6 @@
 """Checks that need values: an index out of range, a class label out of bounds.
 
-A lowering states such a check with `error_if`. The compiled op returns the check's
+A lowering states such a check with `error_if` (ops/value_checks.py). The compiled op returns the check's
 flag with its results, and the dispatcher keeps the flag *pending* instead of waiting
 for it: like a device-side assert on a GPU, the error is raised at the next read of
 values (``.item()``, ``.cpu()``, ``print``, ``torch.tpu.synchronize()``), naming the op
@@ -13,38 +13,8 @@ from __future__ import annotations
 
 from torchtpu import config, tracing
 
-# Checks stated while the dispatcher traces a lowering: a stack of lists.
-_collecting: list[list] = []
-
 # (flag array, exception type, message) of ops that ran but were not checked yet.
 _pending: list[tuple] = []
-
-
-def error_if(condition, exc_type: type[Exception], message: str) -> None:
-    """Inside a lowering: raise ``exc_type(message)`` if ``condition`` holds."""
-    from torchtpu.runtime import jax
-
-    if isinstance(condition, jax().core.Tracer):
-        if not _collecting:
-            raise RuntimeError(
-                f"torchtpu internal error: a value check ({message}) was traced where "
-                "nothing collects it"
-            )
-        _collecting[-1].append((condition, exc_type, message))
-    elif bool(condition):
-        raise exc_type(message)
-
-
-class collect:
-    """Context manager: collect the checks stated while tracing a lowering."""
-
-    def __enter__(self) -> list:
-        self.checks = []
-        _collecting.append(self.checks)
-        return self.checks
-
-    def __exit__(self, *exc) -> None:
-        _collecting.pop()
 
 
 def defer(flags, infos, where: str) -> None:
@@ -86,3 +56,13 @@ def raise_pending() -> None:
     for value, (_, exc_type, message) in zip(values, pending):
         if bool(value):
             raise exc_type(message)
+
+
+def to_host(array):
+    """A CPU tensor of ``array``'s values, read only after every pending check has
+    passed: a value computed after a failed check is never read (runtime/transfer.py
+    moves the bytes)."""
+    from torchtpu.runtime import transfer
+
+    raise_pending()
+    return transfer.to_host(array)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import warnings
 
 from torchtpu import config
-from torchtpu.errors import user_stacklevel
+from torchtpu.observe.locations import user_stacklevel
 
 
 class TPUPerformanceWarning(UserWarning):

@@ -23,14 +23,17 @@ import math
 import torch
 from torch.utils._pytree import tree_map
 
-from torchtpu import backward_errors, counters, modes, out_tensors, plans, schema
-from torchtpu.errors import name_op
-from torchtpu.fallback import run_on_cpu
+from torchtpu import tensor as tensor_module
+from torchtpu.dispatch import backward_errors, modes, out_tensors, plans, schema
+from torchtpu.dispatch.checks import to_host
+from torchtpu.dispatch.fallback import run_on_cpu
+from torchtpu.dispatch.plans import OutMeta, materialize, meta_values, wrap
+from torchtpu.observe import metrics
+from torchtpu.observe.locations import name_op
 from torchtpu.ops import TABLE
-from torchtpu.plans import OutMeta, materialize, meta_values, wrap
+from torchtpu.runtime.transfer import to_device
 from torchtpu.storage import ViewStep
 from torchtpu.tensor import TPUTensor
-from torchtpu.transfer import to_device, to_host
 
 aten = torch.ops.aten
 
@@ -200,7 +203,7 @@ def _lowered_handler(info, lowering):
 
     def handler(func, args, kwargs):
         mode = modes.current()
-        counters.count("ops", mode.value)
+        metrics.count("ops", mode.value)
         values = info.bind(args, kwargs)
         return plans.run(op, lowering, info, values, mode)
 
@@ -223,7 +226,7 @@ def _decompositions() -> dict:
 
 def _decomposed_handler(decomposition):
     def handler(func, args, kwargs):
-        counters.count("decomposed", str(func))
+        metrics.count("decomposed", str(func))
         return decomposition(*args, **kwargs)
 
     return handler
@@ -409,9 +412,9 @@ def _move(x: TPUTensor, index: int) -> TPUTensor:
 
 
 def _current_device() -> int:
-    from torchtpu import device
+    from torchtpu.runtime import current_index
 
-    return device.current_device()
+    return current_index()
 
 
 def from_cpu(t: torch.Tensor, index: int) -> TPUTensor:
@@ -600,3 +603,6 @@ _SPECIAL = {
     aten.set_.source_Tensor: _set_source_tensor,
     aten.as_strided_scatter.default: _as_strided_scatter,
 }
+
+
+tensor_module.hooks.dispatch = dispatch

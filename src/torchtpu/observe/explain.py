@@ -3,7 +3,7 @@
 The account lists the ops run per eager mode, every DeferAndFuse flush (its reason,
 the user line that caused it, how many ops it ran, whether it compiled), the XLA
 compilations, and the ops that ran on the CPU fallback. It is built from the
-counters (counters.py) and from events the runtime notes while a recording is open.
+counters (metrics.py) and from events the runtime notes while a recording is open.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 
-from torchtpu import counters
+from torchtpu.observe import metrics
 
 
 @dataclasses.dataclass
@@ -82,24 +82,18 @@ class Explanation:
     __repr__ = __str__
 
 
-def explain(fn, *args, **kwargs) -> Explanation:
-    """Run ``fn(*args, **kwargs)`` once, finish its work (``torchtpu.sync()``), and return
-    an `Explanation`: ops per mode, flushes with reasons and user lines, compilations,
-    fallbacks. Its ``result`` is what ``fn`` returned. Example::
-
-        print(torchtpu.explain(train_step, batch))
-    """
-    from torchtpu import sync
-
-    before = counters.metrics()
+def explain_call(fn, args, kwargs, finish) -> Explanation:
+    """Run ``fn(*args, **kwargs)`` once, then ``finish()`` (wait for its work), and
+    explain what ran (``torchtpu.explain``, in the package root, passes its ``sync``)."""
+    before = metrics.metrics()
     log: list = []
-    counters._recorders.append(log)
+    metrics._recorders.append(log)
     try:
         result = fn(*args, **kwargs)
-        sync()
+        finish()
     finally:
-        counters._recorders.remove(log)
-    return Explanation(result, _difference(counters.metrics(), before), log)
+        metrics._recorders.remove(log)
+    return Explanation(result, _difference(metrics.metrics(), before), log)
 
 
 def _difference(after: dict, before: dict) -> dict:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch.utils._pytree import tree_leaves, tree_map, tree_map_only
 
-from torchtpu import schema
+from torchtpu.dispatch import schema
 
 _raised: list[BaseException] = []
 
@@ -50,7 +50,7 @@ def poisoned(func, args, kwargs, exc: BaseException):
     values = info.bind(args, kwargs)
     for t in tree_leaves([values[i] for i in info.mutable]):
         if isinstance(t, TPUTensor):
-            t._storage.array = _failed(t._storage.shape, t._storage.dtype, exc)
+            t._storage.array = failed(t._storage.shape, t._storage.dtype, exc)
     written = info.returned_written(args, kwargs)
     if written is not None:
         return written
@@ -59,27 +59,15 @@ def poisoned(func, args, kwargs, exc: BaseException):
         if not isinstance(m, torch.Tensor):
             return m
         shape, strides = tuple(m.shape), tuple(m.stride())
-        storage = Storage(_failed(shape, m.dtype, exc), shape, strides, m.dtype, 0)
+        storage = Storage(failed(shape, m.dtype, exc), shape, strides, m.dtype, 0)
         return TPUTensor(storage, (), shape, strides, 0, m.dtype)
 
     return tree_map(wrap, out)
 
 
-def poisoned_handles(exc: BaseException, values: list) -> list:
-    """A compiled backward graph's outputs (handles.py) that raise ``exc`` when read."""
-    from torchtpu.handles import make_handle
-
-    exc.add_note("torchtpu: raised by a compiled backward graph")
-    _raised.append(exc)
-    return [
-        make_handle(_failed(v.shape, v.dtype, exc), v.dtype) if isinstance(v, torch.Tensor) else v
-        for v in values
-    ]
-
-
-def _failed(shape, dtype, exc: BaseException):
+def failed(shape, dtype, exc: BaseException):
     """A value that raises ``exc`` when read: a Pending whose chunk failed (defer.py)."""
-    from torchtpu.defer import Pending
+    from torchtpu.dispatch.defer import Pending
 
     pending = Pending(-1, 0, tuple(shape), dtype)
     pending.error = exc

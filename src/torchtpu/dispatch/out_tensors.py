@@ -17,7 +17,7 @@ import torch
 from torch._prims_common import is_non_overlapping_and_dense_or_false, make_contiguous_strides_for
 from torch.utils._pytree import tree_flatten, tree_map
 
-from torchtpu.errors import name_op
+from torchtpu.observe.locations import name_op
 
 aten = torch.ops.aten
 
@@ -71,7 +71,7 @@ def check(info, values: list) -> None:
 
 
 def _check_exact_dtypes(info, values: list, metas: list) -> None:
-    from torchtpu import schema
+    from torchtpu.dispatch import schema
 
     functional = schema.functional_variant(info.op)
     by_name = {a.name: m for a, m in zip(info.args, metas)}

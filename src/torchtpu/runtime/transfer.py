@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from torchtpu import checks, counters, perf_warnings, tracing
+from torchtpu import tracing
+from torchtpu.observe import metrics, perf_warnings
 from torchtpu.runtime import device, jax
 
 
@@ -29,20 +30,20 @@ def to_device(cpu_tensor: torch.Tensor, index: int):
     target = device(index)
     if array.devices() != {target}:
         array = jx.device_put(array, target)
-    counters.count("transfer_bytes", "to_device", private.numel() * private.element_size())
+    metrics.count("transfer_bytes", "to_device", private.numel() * private.element_size())
     return array
 
 
 def to_host(array) -> torch.Tensor:
-    """A CPU tensor holding a copy of ``array``'s values (waits for them)."""
+    """A CPU tensor holding a copy of ``array``'s values (waits for them). The
+    dispatcher raises failed value checks first (dispatch/values.py ``to_host``)."""
     if tracing._active is not None and isinstance(array, jax().core.Tracer):
         tracing.refuse("reading a tensor's values (.item(), .cpu(), print, bool(), ...)")
-    checks.raise_pending()
     perf_warnings.note_read()
     jx = jax()
     (dev,) = array.devices()
     if dev.platform != "cpu":
         array = jx.device_put(array, jx.devices("cpu")[0])
     host = torch.from_dlpack(array).clone()
-    counters.count("transfer_bytes", "to_host", host.numel() * host.element_size())
+    metrics.count("transfer_bytes", "to_host", host.numel() * host.element_size())
     return host

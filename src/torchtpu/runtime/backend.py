@@ -1,4 +1,4 @@
-"""The JAX runtime behind the tpu device: started on first use, never at import.
+"""The JAX runtime: started on first use, never at import; which device is current.
 
 ``import torch`` autoloads torchtpu, so nothing here may import JAX at module level;
 `jax()` does it once, the first time a tpu tensor needs a device.
@@ -35,12 +35,24 @@ def devices() -> tuple:
     return tuple(jax().devices())
 
 
+# The index of the current device (``torch.tpu.set_device``): where ``"tpu"`` without
+# an index puts a tensor.
+_current_index = 0
+
+
+def current_index() -> int:
+    return _current_index
+
+
+def set_current_index(index: int) -> None:
+    global _current_index
+    _current_index = index
+
+
 def device(index: int | None):
     """The JAX device behind ``tpu:index`` (index None means the current device)."""
-    from torchtpu import device as _device
-
     if index is None:
-        index = _device.current_device()
+        index = _current_index
     devs = devices()
     if not 0 <= index < len(devs):
         raise RuntimeError(

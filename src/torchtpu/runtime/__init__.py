@@ -1,0 +1,22 @@
+"""The JAX runtime behind the tpu device (backend.py) and moving values between the
+host and it (transfer.py). Nothing here imports JAX at import time."""
+
+from torchtpu.runtime.backend import (
+    current_index,
+    device,
+    device_name,
+    devices,
+    jax,
+    platform,
+    set_current_index,
+)
+
+__all__ = [
+    "current_index",
+    "device",
+    "device_name",
+    "devices",
+    "jax",
+    "platform",
+    "set_current_index",
+]
