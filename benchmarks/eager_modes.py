@@ -1,10 +1,15 @@
 """The eager modes side by side: torch CPU eager, Strict, Debug, DeferAndFuse, and the
 same computation written in JAX under one ``jax.jit`` (the floor).
 
-    python benchmarks/eager_modes.py            # medians of several runs
-    python benchmarks/eager_modes.py --quick    # fewer, shorter runs
+    python benchmarks/eager_modes.py                  # medians of several runs
+    python benchmarks/eager_modes.py --quick          # fewer, shorter runs
+    python benchmarks/eager_modes.py --require-quiet  # refuse to run on a busy machine
 
-Workloads: one small elementwise op (64x64 add: dispatch dominates), an 11-op
+First the cost of one op: a 64x64 add whose result feeds the next add, in torch CPU
+eager, a pre-jitted ``jax.jit`` add, the *floor* (a minimal wrapper subclass whose
+``__torch_dispatch__`` calls that jitted add: the least any ``__torch_dispatch__``
+runtime can cost), Strict, Debug, and DeferAndFuse *recording* (the op queued, its
+flush not counted). Then whole workloads: one small elementwise op (64x64 add: dispatch dominates), an 11-op
 elementwise chain at 64x64 and 1024x1024, the MLP training step (512->1024->10, SGD)
 at batch 8, 64 and 1024, and a small transformer training step (one pre-norm block,
 d=64, 4 heads, sequence 32, batch 8, SGD). Then the first step of the MLP in a fresh
@@ -15,6 +20,7 @@ pinned to one thread (its 2-thread mode is erratic on a shared 2-core machine).
 from __future__ import annotations
 
 import os
+import platform
 import statistics
 import subprocess
 import sys
@@ -29,6 +35,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import torchtpu
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks import quiet  # noqa: E402
 
 torch.set_num_threads(1)
 # The workloads read values every step on purpose; the hints that say so are expected.
@@ -214,6 +223,90 @@ def jax_transformer_step_fn(batch=8, seq=32, vocab=256, d=64, heads=4):
 
 MODES = (("Strict", "strict"), ("Debug", "debug"), ("Defer", "defer"))
 
+CHAIN = 100  # adds per timed call in the per-op table
+
+
+class Floor(torch.Tensor):
+    """The least a ``__torch_dispatch__`` runtime can do per op: no lookup, no checks,
+    one pre-jitted JAX call and a new wrapper for its result."""
+
+    add = None  # the pre-jitted jax add
+
+    @staticmethod
+    def __new__(cls, array):
+        t = torch.Tensor._make_wrapper_subclass(
+            cls, array.shape, dtype=torch.float32, device=torch.device("tpu", 0)
+        )
+        t.array = array
+        return t
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        return Floor(Floor.add(args[0].array, args[1].array))
+
+
+def per_op():
+    """Microseconds per op of a 64x64 add whose result feeds the next add."""
+    jadd = jax.jit(lambda a, b: a + b)
+    Floor.add = jadd
+    ja = jnp.ones((64, 64), jnp.float32)
+    cpu = torch.ones(64, 64)
+    tpu = torch.ones(64, 64, device="tpu")
+    floor = Floor(ja)
+
+    def chained(x, y, block):
+        def run():
+            z = x
+            for _ in range(CHAIN):
+                z = z + y
+            block(z)
+
+        return run
+
+    def tpu_block(z):
+        jax.block_until_ready(torchtpu.dispatch.values.materialize(z))
+
+    def jax_run():
+        z = ja
+        for _ in range(CHAIN):
+            z = jadd(z, ja)
+        z.block_until_ready()
+
+    def record_only():
+        """Seconds to record CHAIN adds (their flush is not timed)."""
+        samples = []
+        with torch.tpu.set_eager_mode("defer"):
+            for _ in range(REPEAT * 3):
+                z, start = tpu, time.perf_counter()
+                for _ in range(CHAIN):
+                    z = z + tpu
+                samples.append(time.perf_counter() - start)
+                tpu_block(z)
+        return statistics.median(samples[2:])
+
+    window = quiet.Window()
+    times = {
+        "torch CPU": timeit(chained(cpu, cpu, lambda z: None)),
+        "jax.jit": timeit(jax_run),
+        "floor": timeit(chained(floor, floor, lambda z: z.array.block_until_ready())),
+    }
+    for label, mode in MODES[:2]:
+        with torch.tpu.set_eager_mode(mode):
+            times[label] = timeit(chained(tpu, tpu, tpu_block))
+    times["Defer, recording"] = record_only()
+    print(f"\n`{quiet.command()}`: one 64x64 add, each result feeding the next")
+    print(f"({quiet.THRESHOLD} cores of others is the limit for a quiet run)\n")
+    print("| per op | " + " | ".join(times) + " | Strict/floor | recording/floor |")
+    print("|---|" + "---|" * (len(times) + 2))
+    cells = " | ".join(f"{t / CHAIN * 1e6:.1f}us" for t in times.values())
+    print(
+        f"| 64x64 add | {cells} | {times['Strict'] / times['floor']:.2f}x "
+        f"| {times['Defer, recording'] / times['floor']:.2f}x |"
+    )
+    print(f"\n{window.verdict()}", flush=True)
+
 
 def side_by_side():
     small_cpu, small_tpu = torch.randn(64, 64), torch.randn(64, 64, device="tpu")
@@ -223,7 +316,7 @@ def side_by_side():
     def tpu_sync(fn):
         def run():
             out = fn()
-            jax.block_until_ready(torchtpu.plans.materialize(out))
+            jax.block_until_ready(torchtpu.dispatch.values.materialize(out))
 
         return run
 
@@ -255,6 +348,8 @@ def side_by_side():
         jax_transformer_step_fn(),
     )
 
+    window = quiet.Window()
+    print(f"\n`{quiet.command()}`: whole workloads, every step reading its loss\n")
     header = f"| {'workload':<24} | torch CPU | " + " | ".join(f"{m:>9}" for m, _ in MODES)
     print(header + " |   jax.jit | Strict/Defer | Defer/jit |")
     print("|" + "---|" * (len(MODES) + 5))
@@ -271,6 +366,7 @@ def side_by_side():
             f"{times['Strict'] / times['Defer']:>11.2f}x | {times['Defer'] / floor:>8.2f}x |",
             flush=True,
         )
+    print(f"\n{window.verdict()}", flush=True)
 
 
 def _us(seconds: float) -> str:
@@ -309,7 +405,10 @@ def first_step():
 
 
 def main():
-    print(f"torch {torch.__version__}, jax {jax.__version__}, backend {jax.default_backend()}\n")
+    print(f"torch {torch.__version__}, jax {jax.__version__}, backend {jax.default_backend()}")
+    print(f"machine: {os.cpu_count()} cores, {platform.processor() or platform.machine()}")
+    quiet.check_before_start()
+    per_op()
     side_by_side()
     first_step()
 

@@ -21,7 +21,7 @@ SCRIPT = textwrap.dedent(
 
     import torch
     import torchtpu
-    from torchtpu.dispatch.plans import materialize
+    from torchtpu.dispatch.values import materialize
 
     results = {}
 

@@ -33,7 +33,7 @@ from torch._dynamo.backends.registry import register_backend
 from torchtpu.compile import handles
 from torchtpu.compile.program import Program, tensor_of
 from torchtpu.dispatch import backward_errors
-from torchtpu.dispatch.plans import materialize
+from torchtpu.dispatch.values import materialize
 from torchtpu.tensor import TPUTensor
 
 

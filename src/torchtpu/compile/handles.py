@@ -63,7 +63,7 @@ def handle_of(t: TPUTensor) -> torch.Tensor:
     if cached is not None and cached[0] is t._storage.array and cached[1] is t._meta:
         return cached[2]
     from torchtpu.dispatch import defer
-    from torchtpu.dispatch.plans import materialize
+    from torchtpu.dispatch.values import materialize
 
     if defer.pending_count():
         defer.flush("compiled call")  # queued eager ops run before the compiled ones

@@ -44,7 +44,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torchtpu import tracing
 from torchtpu.compile.program import Program, tensor_of
 from torchtpu.dispatch import core as dispatch
-from torchtpu.dispatch.plans import materialize
+from torchtpu.dispatch.values import materialize
 from torchtpu.observe import perf_warnings
 from torchtpu.observe.locations import user_frame
 from torchtpu.runtime import jax
@@ -334,7 +334,7 @@ def _refuse_written_arguments(call_args, call_kwargs) -> None:
 
 def materialize_storage(s):
     """A state storage's base array, concrete (flushing DeferAndFuse if need be)."""
-    from torchtpu.dispatch.defer import Pending
+    from torchtpu.dispatch.pending import Pending
 
     if type(s.array) is Pending:
         return materialize(TPUTensor(s, (), s.shape, s.strides, 0, s.dtype))

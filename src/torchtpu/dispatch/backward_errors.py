@@ -67,7 +67,7 @@ def poisoned(func, args, kwargs, exc: BaseException):
 
 def failed(shape, dtype, exc: BaseException):
     """A value that raises ``exc`` when read: a Pending whose chunk failed (defer.py)."""
-    from torchtpu.dispatch.defer import Pending
+    from torchtpu.dispatch.pending import Pending
 
     pending = Pending(-1, 0, tuple(shape), dtype)
     pending.error = exc

@@ -9,6 +9,11 @@ ops run as one function of their external inputs (arrays and traced scalars), ji
 once per chunk signature, so a training loop compiles its step once and then runs
 one call per step.
 
+Note [Chunk keys]
+    A chunk's cache key is the sequence of (plan, how its arguments are wired) of its
+    ops, plus which outputs are live. Recording appends each op's part to the queue's
+    key list, so a flush turns it into a tuple at once instead of walking the ops.
+
 Note [Live outputs]
     A node holds only weak references to its Pending outputs; Storages hold the
     strong ones. At a flush, a Pending still alive is referenced by some tensor the
@@ -23,54 +28,31 @@ import weakref
 
 from torchtpu import config
 from torchtpu.dispatch import checks
+from torchtpu.dispatch.pending import Pending
 from torchtpu.observe import metrics, perf_warnings
 from torchtpu.observe.locations import user_frame
 from torchtpu.runtime import jax
 
 
-class Pending:
-    """A value the queue will produce: output ``index`` of node ``node``."""
-
-    __slots__ = ("node", "index", "shape", "dtype", "value", "error", "__weakref__")
-
-    def __init__(self, node: int, index: int, shape, dtype):
-        self.node, self.index, self.shape, self.dtype = node, index, shape, dtype
-        self.value = None
-        self.error = None
-
-    def node_done(self) -> bool:
-        """Whether its chunk ran (successfully or not)."""
-        return self.value is not None or self.error is not None
-
-    def resolved(self):
-        """The concrete array (after its flush), raising its chunk's error if it failed."""
-        if self.error is not None:
-            raise RuntimeError(
-                f"this tensor's value was never computed: {self.error}"
-            ) from self.error
-        return self.value
-
-
-class _Node:
-    __slots__ = ("plan", "refs", "outputs", "where")
-
-    def __init__(self, plan, refs, outputs, where):
-        self.plan, self.refs, self.outputs, self.where = plan, refs, outputs, where
-
-
 class _Queue:
+    """The ops recorded since the last flush, as parallel lists (one entry per op)."""
+
     def __init__(self):
-        self.nodes: list[_Node] = []
+        self.plans: list = []
+        self.refs: list[tuple] = []  # per op: (0, external slot, 0) or (1, op, output)
+        self.outputs: list[list] = []  # per op: weak references to its Pendings
+        self.wheres: list = []  # per op: the user's line, where an error may need it
+        # The chunk's cache key, built while recording (Note [Chunk keys]).
+        self.key: list = []
         self.externals: list = []  # arrays and scalars, the chunk's inputs
         self.external_slot: dict[int, int] = {}  # id(array) -> position in externals
-        self.keepalive: list = []  # arrays whose id() is a key above
 
 
 _queue = _Queue()
 
 
 def pending_count() -> int:
-    return len(_queue.nodes)
+    return len(_queue.plans)
 
 
 def record(plan, args: list, out_avals: list, where: str | None) -> list[Pending]:
@@ -78,30 +60,37 @@ def record(plan, args: list, out_avals: list, where: str | None) -> list[Pending
     returns a Pending per output of the plan's function (new tensors, then written
     bases). ``where`` names the user's line, when an error may need it."""
     q = _queue
-    position = len(q.nodes)
+    position = len(q.plans)
     refs = []
+    externals = q.externals
     for a in args:
         if type(a) is Pending:
             if a.value is not None or a.error is not None:
                 a = a.resolved()
-            elif a.node >= position or q.nodes[a.node].outputs[a.index]() is not a:
-                raise RuntimeError("torchtpu internal error: a pending value from another queue")
-            else:
+            elif a.node < position and q.outputs[a.node][a.index]() is a:
                 refs.append((1, a.node, a.index))
                 continue
+            else:
+                raise RuntimeError("torchtpu internal error: a pending value from another queue")
         if hasattr(a, "shape"):  # a concrete array: one chunk input however often used
             slot = q.external_slot.get(id(a))
             if slot is None:
-                slot = q.external_slot[id(a)] = len(q.externals)
-                q.externals.append(a)
-                q.keepalive.append(a)
+                # externals keeps the array alive, so its id() stays its own
+                slot = q.external_slot[id(a)] = len(externals)
+                externals.append(a)
             refs.append((0, slot, 0))
         else:  # a traced Python scalar
-            refs.append((0, len(q.externals), 0))
-            q.externals.append(a)
+            refs.append((0, len(externals), 0))
+            externals.append(a)
+    refs = tuple(refs)
     outputs = [Pending(position, i, shape, dtype) for i, (shape, dtype) in enumerate(out_avals)]
-    q.nodes.append(_Node(plan, tuple(refs), [weakref.ref(p) for p in outputs], where))
-    if len(q.nodes) >= config.defer_max_ops:
+    q.plans.append(plan)
+    q.refs.append(refs)
+    q.outputs.append([weakref.ref(p) for p in outputs])
+    q.wheres.append(where)
+    q.key.append(plan.uid)
+    q.key.append(refs)
+    if position + 1 >= config.defer_max_ops:
         flush("queue full")
     return outputs
 
@@ -153,7 +142,7 @@ def flush(reason: str) -> None:
     """Run every queued op as one chunk and hand out the values still referenced."""
     global _queue
     q = _queue
-    if not q.nodes:
+    if not q.plans:
         return
     _queue = _Queue()  # reentrancy: anything recorded from here on is a new chunk
     metrics.count("flushes", reason)
@@ -162,31 +151,30 @@ def flush(reason: str) -> None:
     if reason == "value read":
         perf_warnings.note_flush(reason, where)
     live, live_pendings = [], []
-    for position, node in enumerate(q.nodes):
-        for index, ref in enumerate(node.outputs):
+    total = 0
+    for position, refs in enumerate(q.outputs):
+        total += len(refs)
+        for index, ref in enumerate(refs):
             pending = ref()
             if pending is not None:
                 live.append((position, index))
                 live_pendings.append(pending)
     metrics.count("chunk_values", "outputs", len(live))
-    dropped = sum(len(node.outputs) for node in q.nodes) - len(live)
-    if dropped:
-        metrics.count("chunk_values", "dropped", dropped)
+    if total > len(live):
+        metrics.count("chunk_values", "dropped", total - len(live))
     if not live_pendings:
         return
-    key = (tuple((node.plan.uid, node.refs) for node in q.nodes), tuple(live))
+    key = (tuple(q.key), tuple(live))
     chunk = _CHUNKS.lookup(key)
     compiled = chunk is None
     if compiled:
-        chunk = _Chunk([(node.plan, node.refs) for node in q.nodes], live)
+        chunk = _Chunk(list(zip(q.plans, q.refs)), live)
         _CHUNKS.insert(key, chunk)
-        perf_warnings.note_compile(
-            "a DeferAndFuse chunk", where, ([node.plan for node in q.nodes], live), _describe_change
-        )
+        perf_warnings.note_compile("a DeferAndFuse chunk", where, (q.plans, live), _describe_change)
 
     def record_event(failed: bool) -> None:
         metrics.event(
-            "flush", reason=reason, where=where, ops=len(q.nodes), outputs=len(live),
+            "flush", reason=reason, where=where, ops=len(q.plans), outputs=len(live),
             compiled=compiled, failed=failed,
         )  # fmt: skip
 
@@ -198,7 +186,7 @@ def flush(reason: str) -> None:
             metrics.count("compile_seconds", "chunk", time.perf_counter() - start)
     except Exception as exc:
         record_event(failed=True)
-        error = _annotate(exc, q.nodes)
+        error = _annotate(exc, q)
         for pending in live_pendings:
             pending.error = error
         raise error from None
@@ -206,14 +194,14 @@ def flush(reason: str) -> None:
     for pending, value in zip(live_pendings, values):
         pending.value = value
     for flag, (position, k) in zip(flags, chunk.flag_owners):
-        node = q.nodes[position]
-        checks.defer([flag], [node.plan.check_infos[k]], f"called from {node.where}")
+        checks.defer(
+            [flag], [q.plans[position].check_infos[k]], f"called from {q.wheres[position]}"
+        )
 
 
 def _describe_change(old, new) -> str:
     """What differs between two chunks compiled from the same line."""
-    from torchtpu.dispatch.plans import describe_change
-    from torchtpu.dispatch.schema import info
+    from torchtpu.dispatch.signature import describe_change
 
     (old_plans, old_live), (new_plans, new_live) = old, new
     for position, (a, b) in enumerate(zip(old_plans, new_plans)):
@@ -222,7 +210,7 @@ def _describe_change(old, new) -> str:
         if a.op != b.op:
             return f"op #{position + 1} of the chunk: {a.op} -> {b.op}"
         return f"op #{position + 1} of the chunk ({b.op}): " + describe_change(
-            info(b.op), a.key, b.key
+            b.names, a.key, b.key
         )
     if len(old_plans) != len(new_plans):
         return f"the number of ops in the chunk: {len(old_plans)} -> {len(new_plans)}"
@@ -231,14 +219,14 @@ def _describe_change(old, new) -> str:
     return "how the chunk's ops use each other's values"
 
 
-def _annotate(exc: Exception, nodes: list[_Node]) -> Exception:
+def _annotate(exc: Exception, q: _Queue) -> Exception:
     """The error of a failed chunk, naming the op and the user line that recorded it."""
     if isinstance(exc, _NodeError):
-        node = nodes[exc.position]
         cause = exc.cause
+        where = q.wheres[exc.position] or "an unknown line"
         cause.add_note(
-            f"torchtpu: raised by {node.plan.op} recorded at {node.where or 'an unknown line'} (DeferAndFuse)"
+            f"torchtpu: raised by {q.plans[exc.position].op} recorded at {where} (DeferAndFuse)"
         )
         return cause
-    exc.add_note(f"torchtpu: raised while running a DeferAndFuse chunk of {len(nodes)} ops")
+    exc.add_note(f"torchtpu: raised while running a DeferAndFuse chunk of {len(q.plans)} ops")
     return exc

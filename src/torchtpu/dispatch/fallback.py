@@ -28,8 +28,7 @@ _warned: set = set()
 
 def run_on_cpu(func, args, kwargs):
     from torchtpu.dispatch.checks import to_host
-    from torchtpu.dispatch.core import from_cpu
-    from torchtpu.dispatch.plans import materialize
+    from torchtpu.dispatch.values import from_cpu, materialize
     from torchtpu.tensor import TPUTensor
 
     if tracing._active is not None:

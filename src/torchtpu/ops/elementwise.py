@@ -673,12 +673,12 @@ def clamp_max(self, max):
     return clamp(self, None, max)
 
 
-@lowers(aten.fill.Scalar, aten.fill.Tensor)
+@lowers(aten.fill.Scalar, aten.fill.Tensor, writes_expanded=True)
 def fill(self, value):
     return jnp.broadcast_to(cast(value, self.dtype), self.shape)
 
 
-@lowers(aten.zero.default)
+@lowers(aten.zero.default, writes_expanded=True)
 def zero(self):
     return jnp.zeros_like(self)
 

@@ -86,7 +86,8 @@ def triu(self, diagonal=0):
     return jnp.triu(self, diagonal)
 
 
-@lowers(aten._grouped_mm.default, precision=True)
+# meta="skip": its meta kernel has a CUDA-only check (bfloat16 inputs only).
+@lowers(aten._grouped_mm.default, precision=True, meta="skip")
 def _grouped_mm(self, mat2, offs=None, bias=None, out_dtype=None, *, precision):
     """Matrix products of groups of rows/columns (mixture-of-experts layers).
 
@@ -99,7 +100,7 @@ def _grouped_mm(self, mat2, offs=None, bias=None, out_dtype=None, *, precision):
     """
     if bias is not None:
         raise NotImplementedError("torchtpu: _grouped_mm with bias is not supported")
-    # No meta kernel sizes this op for float32 (plans._META_REJECTS_WHAT_CPU_TAKES): the
+    # No meta kernel sizes this op for float32 (registered meta="skip"): the
     # lowering gives the result dtype itself.
     result_dtype = dtypes.to_jax(out_dtype) if out_dtype is not None else self.dtype
     if self.dtype in _LOW_FLOATS:  # accumulate in float32, as _matmul does

@@ -232,14 +232,14 @@ def linalg_inv_ex(A, check_errors):
     return _lu_solve(lu, pivots, _eye_like(A)), info
 
 
-@lowers(aten._linalg_det.default)
+@lowers(aten._linalg_det.default, factors_as_laid_out=True)
 def _linalg_det(A):
     lu, pivots, _ = _factor_for_backward(A)
     diagonal = jnp.diagonal(lu, axis1=-2, axis2=-1)
     return _pivots_sign(pivots, A.dtype) * jnp.prod(diagonal, -1), lu, pivots
 
 
-@lowers(aten._linalg_slogdet.default)
+@lowers(aten._linalg_slogdet.default, factors_as_laid_out=True)
 def _linalg_slogdet(A):
     lu, pivots, _ = _factor_for_backward(A)
     diagonal = jnp.diagonal(lu, axis1=-2, axis2=-1)

@@ -198,7 +198,9 @@ def _check_margin_p(p):
         raise ValueError("only p == 1 and p == 2 supported")
 
 
-@lowers(aten.multi_margin_loss.default, static=("p",))
+# meta="checks_only": the meta kernel gives one 1-d sample a loss of shape (1,)
+# where the CPU's is 0-d; it runs for its checks of the arguments.
+@lowers(aten.multi_margin_loss.default, static=("p",), meta="checks_only")
 def multi_margin_loss(self, target, p=1, margin=1, weight=None, reduction=_MEAN):
     _check_margin_p(p)
     return _multi_margin(self, target, p, margin, weight, reduction)
@@ -234,7 +236,7 @@ def _multilabel_margin(self, target, reduction):
     return loss.astype(self.dtype), is_target.astype(self.dtype).reshape(target.shape)
 
 
-@lowers(aten.multilabel_margin_loss_forward.default)
+@lowers(aten.multilabel_margin_loss_forward.default, meta="checks_only")
 def multilabel_margin_loss_forward(self, target, reduction):
     return _multilabel_margin(self, target, reduction)
 

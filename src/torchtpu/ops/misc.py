@@ -567,7 +567,7 @@ def _histogramdd_bin_edges(self, bins, range=None, weight=None, density=False):
 
 
 # torch has no Meta kernel for _histogramdd_bin_edges, and a plan sizes a list of
-# outputs from the Meta kernel (plans._build): dimension d has bins[d] + 1 edges.
+# outputs from the Meta kernel (dispatch/builder.py): dimension d has bins[d] + 1 edges.
 _META = torch.library.Library("aten", "IMPL")
 
 

@@ -660,7 +660,7 @@ def _batch_norm_eval(input, weight, bias, running_mean, running_var, eps):
     return _normalise(x, mean, invstd, weight, bias).astype(input.dtype), mean, invstd
 
 
-@lowers(aten._native_batch_norm_legit_functional.default)
+@lowers(aten._native_batch_norm_legit_functional.default, cpu_statistics=True)
 def _native_batch_norm_legit_functional(
     input, weight, bias, running_mean, running_var, training, momentum, eps
 ):
@@ -672,20 +672,20 @@ def _native_batch_norm_legit_functional(
     return out, mean, invstd, new_mean, new_var
 
 
-@lowers(aten._native_batch_norm_legit.no_stats)
+@lowers(aten._native_batch_norm_legit.no_stats, cpu_statistics=True)
 def _native_batch_norm_legit_no_stats(input, weight, bias, training, momentum, eps):
     out, mean, invstd, _ = _batch_norm_train(input, weight, bias, eps)
     return out, mean, invstd
 
 
-@lowers(aten._native_batch_norm_legit_no_training.default)
+@lowers(aten._native_batch_norm_legit_no_training.default, cpu_statistics=True)
 def _native_batch_norm_legit_no_training(
     input, weight, bias, running_mean, running_var, momentum, eps
 ):
     return _batch_norm_eval(input, weight, bias, running_mean, running_var, eps)
 
 
-@lowers(aten.native_batch_norm.default)
+@lowers(aten.native_batch_norm.default, cpu_statistics=True)
 def native_batch_norm(input, weight, bias, running_mean, running_var, training, momentum, eps):
     if training or running_mean is None:
         out, mean, invstd, _ = _batch_norm_train(input, weight, bias, eps)
@@ -693,7 +693,7 @@ def native_batch_norm(input, weight, bias, running_mean, running_var, training, 
     return _batch_norm_eval(input, weight, bias, running_mean, running_var, eps)
 
 
-@lowers(aten._batch_norm_with_update_functional.default)
+@lowers(aten._batch_norm_with_update_functional.default, cpu_statistics=True)
 def _batch_norm_with_update_functional(
     input, weight, bias, running_mean, running_var, momentum, eps
 ):
@@ -702,7 +702,7 @@ def _batch_norm_with_update_functional(
     return out, mean, invstd, jnp.zeros((0,), jnp.uint8), new_mean, new_var
 
 
-@lowers(aten._batch_norm_no_update.default)
+@lowers(aten._batch_norm_no_update.default, cpu_statistics=True)
 def _batch_norm_no_update(input, weight, bias, running_mean, running_var, momentum, eps):
     if running_mean is None:
         out, mean, invstd, _ = _batch_norm_train(input, weight, bias, eps)
@@ -793,7 +793,7 @@ def _layer_norm(input, normalized_shape, weight, bias, eps):
     return out.astype(input.dtype), mean, rstd
 
 
-@lowers(aten.native_layer_norm.default)
+@lowers(aten.native_layer_norm.default, cpu_statistics=True)
 def native_layer_norm(input, normalized_shape, weight, bias, eps):
     return _layer_norm(input, normalized_shape, weight, bias, eps)
 
@@ -829,7 +829,7 @@ def _group_norm(input, weight, bias, N, C, HxW, group, eps):
     return out.astype(input.dtype), mean, rstd
 
 
-@lowers(aten.native_group_norm.default)
+@lowers(aten.native_group_norm.default, cpu_statistics=True)
 def native_group_norm(input, weight, bias, N, C, HxW, group, eps):
     return _group_norm(input, weight, bias, N, C, HxW, group, eps)
 

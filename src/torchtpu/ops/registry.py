@@ -64,7 +64,15 @@ class Lowering:
     view: bool = False
     view_inverse: Callable | None = None
     dynamic_shape: bool = False
+    # How the dispatcher treats this op, where it is not the usual. See `lowers`.
+    meta: str = "run"
+    cpu_statistics: bool = False
+    writes_expanded: bool = False
+    boolean_indices: bool = False
+    factors_as_laid_out: bool = False
 
+
+_META_USES = ("run", "skip", "checks_only")
 
 TABLE: dict[torch._ops.OpOverload, Lowering] = {}
 
@@ -80,11 +88,33 @@ def lowers(
     view: bool = False,
     view_inverse: Callable | None = None,
     dynamic_shape: bool = False,
+    meta: str = "run",
+    cpu_statistics: bool = False,
+    writes_expanded: bool = False,
+    boolean_indices: bool = False,
+    factors_as_laid_out: bool = False,
 ):
     """Register the decorated function as the lowering of each op in ``ops``.
 
     Registering an op twice raises: there is one table and one lowering per op.
+
+    Where an op departs from what the dispatcher assumes, its registration says so:
+
+    - ``meta``: how the meta oracle (dispatch/meta.py) is used: ``"run"`` for output
+      sizes and argument checks; ``"checks_only"`` where the meta kernel checks the
+      arguments but sizes outputs unlike the CPU (JAX sizes them); ``"skip"`` where it
+      rejects what the CPU kernel takes.
+    - ``cpu_statistics``: outputs 1 and 2 are a normalization's mean and inverse std,
+      whose dtype for 16-bit inputs the CPU kernels choose unlike the meta kernels.
+    - ``writes_expanded``: the in-place form may write into an expanded tensor (torch
+      skips its internal-overlap check: ``fill_``, ``zero_``).
+    - ``boolean_indices``: takes a list of indices where a boolean mask stands for
+      the integer indices of its True elements (made op by op, before the op runs).
+    - ``factors_as_laid_out``: the result depends on the memory layout of a real input
+      (LAPACK's column-major LU); the dispatcher passes it as laid out.
     """
+    if meta not in _META_USES:
+        raise ValueError(f"unknown meta use {meta!r}; expected one of {_META_USES}")
     if promote is not None and promote not in PROMOTION_KINDS:
         raise ValueError(f"unknown promotion kind {promote!r}")
 
@@ -109,6 +139,11 @@ def lowers(
                 view=view,
                 view_inverse=view_inverse,
                 dynamic_shape=dynamic_shape,
+                meta=meta,
+                cpu_statistics=cpu_statistics,
+                writes_expanded=writes_expanded,
+                boolean_indices=boolean_indices,
+                factors_as_laid_out=factors_as_laid_out,
             )
         return fn
 

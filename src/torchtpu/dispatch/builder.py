@@ -1,0 +1,340 @@
+"""Building a `Plan` for an op call seen for the first time (a cache miss).
+
+1. The **meta oracle** (meta.py) gives torch's output shapes, strides and dtypes and
+   torch's errors for bad input.
+2. The lowering's **type-promotion policy** (Note [Type promotion policy] in
+   ops/registry.py) gives the dtype its inputs are computed in.
+3. A pure function of (base arrays, traced scalars, RNG seed and offset) reads each
+   argument through its view chain, calls the lowering, casts the results to torch's
+   dtypes and writes the new values of mutated arguments back through their chains
+   (ops/view_chains.py). It is jitted once; running the plan is one jitted call.
+
+Note [Plan outputs]
+    The lowering's outputs are the op's non-aliased returns, followed by the new
+    values of the op's mutable arguments in schema order. That holds both for an op
+    lowered directly and for a mutating op computed by its functional variant
+    (``add_`` by ``add``, ``add.out`` by ``add``): torch names them that way. The
+    compiled function returns the new tensors, then the new base arrays of the written
+    storages, then the flags of value checks (dispatch/checks.py).
+
+Note [Lowering results in Debug mode]
+    A lowering's result is cast to the dtype and broadcast to the shape the meta
+    oracle gives (the promotion policy relies on the cast). A result of another shape,
+    or of another kind of dtype (bool, integer, floating, complex) for an op without a
+    ``dtype`` argument (whose conversion the lowering may leave to that cast: ``_to_copy``,
+    ``scalar_tensor``), means a wrong lowering: the first trace notes it on the plan, and Debug mode raises it, naming
+    the op and the user's line, before any result is used.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+from torch._prims_common import elementwise_dtypes
+
+from torchtpu import dtypes, rng
+from torchtpu import matmul_precision as _precision
+from torchtpu.dispatch import meta as oracle
+from torchtpu.dispatch.pending import Pending
+from torchtpu.dispatch.schema import Kind, SchemaInfo, info
+from torchtpu.dispatch.signature import SCALAR, SCALAR_LIST, TENSOR, TENSOR_LIST, Call, plain
+from torchtpu.dispatch.values import UNKNOWN, OutMeta, contiguous
+from torchtpu.ops import value_checks, view_chains
+from torchtpu.ops.util import cast
+from torchtpu.runtime import jax
+
+_UIDS = itertools.count()
+
+
+class Plan:
+    """A compiled op call (Note [Plan outputs]); run and recorded by plans.py."""
+
+    __slots__ = (
+        "op",
+        "call",
+        "fn",
+        "outputs",
+        "fresh",
+        "avals",
+        "returns",
+        "single",
+        "written_slots",
+        "check_infos",
+        "random",
+        "compiled",
+        "reads_arrays",
+        "uid",
+        "traced",
+        "key",
+        "names",
+        "mismatch",
+    )
+
+
+def build(op, lowering, info_: SchemaInfo, rules, values: list, call: Call) -> Plan:
+    """A plan for ``op`` called with ``values`` (bound, defaults filled in), whose
+    scan is ``call``."""
+    key = call.key
+    margs = oracle.meta_values(rules, key, values)
+    needs_meta = all(r.is_tensor for r in info_.returns) and lowering.meta != "skip"
+    meta_out = oracle.run_meta(op, info_, margs) if needs_meta else None
+    if lowering.meta == "checks_only":
+        meta_out = None
+
+    # Targets of the lowering's outputs (Note [Plan outputs]): ("new", position) for a
+    # value the compiled function returns, ("write", slot, chain, dtype, shape) for the
+    # new value of a mutable argument. `outputs[position]` is the OutMeta of a new
+    # tensor, or None for a Python number (an op returning Scalar or bool).
+    targets: list = []
+    returns: list = []
+    outputs: list = []
+    meta_returns = (
+        (list(meta_out) if isinstance(meta_out, tuple) else [meta_out])
+        if meta_out is not None
+        else [None] * len(info_.returns)
+    )
+
+    def new_output(meta):
+        outputs.append(meta)
+        targets.append(("new", len(outputs) - 1))
+        return len(outputs) - 1
+
+    for r, m in zip(info_.returns, meta_returns):
+        if r.aliases is not None:
+            returns.append(("alias", r.aliases))
+        elif not r.is_tensor:
+            returns.append(("scalar", new_output(None)))
+        elif r.is_list:
+            if m is None:
+                raise NotImplementedError(f"{op}: no meta kernel to size its list of outputs")
+            returns.append(("list", [new_output(oracle.out_meta(mm)) for mm in m]))
+        elif m is None and meta_out is not None:
+            # torch returns no tensor here (e.g. a gradient output_mask left out).
+            returns.append(("none", None))
+            targets.append(("drop",))
+        else:
+            returns.append(("tensor", new_output(oracle.out_meta(m) if m is not None else UNKNOWN)))
+    # A write target keeps what the compiled function needs of the tensor -- never the
+    # tensor itself, which the plan would keep alive.
+    slot_of = {id(s): i for i, s in enumerate(call.storages)}
+    for i in info_.mutable:
+        value = values[i]
+        for tensor in value if isinstance(value, (list, tuple)) else [value]:
+            if tensor is not None:
+                slot = slot_of[id(tensor._storage)]
+                targets.append(
+                    ("write", slot, tensor._chain, dtypes.to_jax(tensor.dtype), tuple(tensor.shape))
+                )
+
+    names = rules.names
+    if lowering.cpu_statistics:
+        oracle.cpu_statistics_dtype(outputs, dict(zip(names, margs)), UNKNOWN)
+
+    promote_to, promoting_set = _promotion(lowering, names, margs)
+    result_dtype = None
+    if lowering.compute_in_result:
+        first = targets[0] if targets else None
+        if first and first[0] == "new" and outputs[first[1]] not in (None, UNKNOWN):
+            result_dtype = dtypes.opmath(outputs[first[1]].dtype)
+        elif first and first[0] == "write":
+            result_dtype = dtypes.opmath(dtypes.to_torch(first[3]))
+
+    slots = tuple(None if s.array is not None else (s.shape, s.dtype) for s in call.storages)
+    n_arrays = sum(1 for s in slots if s is None)
+    n_scalars = len(call.scalars)
+    plan = Plan()
+    plan.op = op
+    plan.returns = returns
+    plan.outputs = outputs
+    plan.random = lowering.random
+    plan.compiled = False
+    plan.check_infos = []
+    plan.mismatch = None
+    plan.names = names
+    written: list[int] = []
+    for t in targets:
+        if t[0] == "write" and t[1] not in written:
+            written.append(t[1])
+    plan.written_slots = written
+    precision = _precision.lax_precision(_precision.current()) if lowering.precision else None
+    check_overlap = not lowering.writes_expanded
+    kinds = rules.kinds
+    jnp = jax().numpy
+
+    def fn(*flat):
+        arrays = iter(flat[:n_arrays])
+        bases = [next(arrays) if s is None else jnp.zeros(s[0], dtypes.to_jax(s[1])) for s in slots]
+        scalars = iter(flat[n_arrays : n_arrays + n_scalars])
+        rest = flat[n_arrays + n_scalars :]
+        seen = [0]  # storages met so far, in scan order
+
+        def tensor_value(part):
+            if part is None:
+                return None
+            if type(part) is type:  # a Python number where the schema says Tensor
+                return next(scalars)
+            if part[0] == "c":  # a 0-d CPU tensor
+                return jnp.asarray(next(scalars), dtypes.to_jax(part[1]))
+            if len(part) == 5 or part[0] is None:  # a storage not seen before
+                slot, meta = seen[0], part if len(part) == 5 else part[1]
+                seen[0] += 1
+            else:
+                slot, meta = part
+            return view_chains.read(bases[slot], meta[4])
+
+        def value_of(kind, part, name):
+            if kind is TENSOR:
+                v = tensor_value(part)
+            elif kind is TENSOR_LIST:
+                return None if part is None else [tensor_value(p) for p in part[1:]]
+            elif kind is SCALAR:
+                if part is None:
+                    return None
+                v = next(scalars) if type(part) is type else part[1]
+            elif kind is SCALAR_LIST:
+                return None if part is None else [next(scalars) for _ in part[1:]]
+            else:
+                return plain(part)
+            if v is None:
+                return None
+            if promote_to is not None and name in promoting_set:
+                v = cast(v, dtypes.to_jax(promote_to))
+            elif result_dtype is not None and name in lowering.compute_in_result:
+                v = cast(v, dtypes.to_jax(result_dtype))
+            return v
+
+        # Never the call's values themselves: the plan must not keep tensors alive.
+        args = [value_of(k, p, n) for k, p, n in zip(kinds, key, names)]
+        extra = {}
+        if lowering.random:
+            extra["key"] = rng.key(rest[0], rest[1])
+        if lowering.precision:
+            extra["precision"] = precision
+        with value_checks.collect() as collected:
+            result = lowering.fn(*args, **extra)
+        # The message names the op once; where it ran is added when it is raised.
+        plan.check_infos = [
+            (exc_type, message if message.startswith(f"{op}:") else f"{op}: {message}")
+            for _, exc_type, message in collected
+        ]
+        produced = flatten_result(result)
+        if len(produced) != len(targets):
+            raise RuntimeError(
+                f"torchtpu internal error: the lowering of {lowering.op} returned {len(produced)} "
+                f"values where {op} needs {len(targets)}"
+            )
+        new = []
+        for t, v in zip(targets, produced):
+            if t[0] == "drop":
+                continue
+            if t[0] == "new":
+                meta = outputs[t[1]]
+                if meta is None:  # a Python number
+                    v = jnp.asarray(v)
+                elif meta is not UNKNOWN:
+                    _note_mismatch(plan, lowering, t[1], v, meta)
+                    v = cast(v, dtypes.to_jax(meta.dtype))
+                    if tuple(v.shape) != meta.shape:
+                        v = jnp.broadcast_to(v, meta.shape)
+                new.append(v)
+            else:
+                _, slot, chain, dtype, shape = t
+                v = jnp.broadcast_to(cast(v, dtype), shape)
+                bases[slot] = view_chains.write(bases[slot], chain, v, check_overlap)
+        plan.traced = True
+        return (*new, *(bases[s] for s in written), *(flag for flag, _, _ in collected))
+
+    if any(o is UNKNOWN for o in outputs):
+        _fill_from_eval_shape(fn, plan, call, outputs)
+    plan.fn = fn
+    plan.uid = next(_UIDS)
+    plan.traced = False
+    plan.reads_arrays = n_arrays > 0
+    plan.call = jax().jit(fn)
+    # What running or recording it needs, computed once.
+    plan.fresh = [None if o is None else (o, o.meta) for o in outputs]
+    plan.avals = [
+        (o.shape, dtypes.to_jax(o.dtype)) if o is not None else ((), None) for o in outputs
+    ]
+    plan.avals += [(call.storages[s].shape, dtypes.to_jax(call.storages[s].dtype)) for s in written]
+    plan.single = returns[0][1] if len(returns) == 1 and returns[0][0] == "tensor" else None
+    return plan
+
+
+def _promotion(lowering, names, margs):
+    """The dtype a lowering's promoting inputs are cast to, and their names."""
+    if lowering.promote is None:
+        return None, set()
+    promoting = lowering.promote_args
+    if promoting is None:
+        promoting = tuple(
+            a.name
+            for a in info(lowering.op).args
+            if a.kind in (Kind.TENSOR, Kind.SCALAR) and a.name != "alpha"
+        )
+    operands = []
+    for n in promoting:
+        if n in names:
+            value = margs[names.index(n)]
+            operands.extend(value if isinstance(value, list) else [value])
+    operands = [o for o in operands if isinstance(o, (torch.Tensor, int, float, bool, complex))]
+    if not operands:
+        return None, set()
+    promote_to, _ = elementwise_dtypes(*operands, type_promotion_kind=lowering.promote)
+    return promote_to, set(promoting)
+
+
+def _kind_of(dtype) -> str:
+    jnp = jax().numpy
+    if jnp.dtype(dtype) == jnp.bool_:
+        return "bool"
+    if jnp.issubdtype(dtype, jnp.complexfloating):
+        return "complex"
+    if jnp.issubdtype(dtype, jnp.floating):
+        return "floating"
+    return "integer"
+
+
+def _note_mismatch(plan, lowering, position, value, meta: OutMeta) -> None:
+    """Note [Lowering results in Debug mode]."""
+    if plan.mismatch is not None or not hasattr(value, "shape"):
+        return
+    expected = dtypes.to_jax(meta.dtype)
+    if tuple(value.shape) != meta.shape:
+        plan.mismatch = (
+            f"output {position} of the lowering {lowering.fn.__module__}.{lowering.fn.__name__} "
+            f"has shape {list(value.shape)} where torch's meta kernel gives {list(meta.shape)}"
+        )
+    elif "dtype" not in plan.names and _kind_of(value.dtype) != _kind_of(expected):
+        plan.mismatch = (
+            f"output {position} of the lowering {lowering.fn.__module__}.{lowering.fn.__name__} "
+            f"is {value.dtype} where torch's meta kernel gives {meta.dtype}"
+        )
+
+
+def _fill_from_eval_shape(fn, plan, call, outputs):
+    """No meta kernel: take output shapes and dtypes from JAX (contiguous strides)."""
+    arrays = [
+        jax().ShapeDtypeStruct(a.shape, a.dtype) if type(a) is Pending else a for a in call.arrays
+    ]
+    args = arrays + list(call.scalars)
+    if plan.random:
+        args += [0, 0]
+    shapes = jax().eval_shape(fn, *args)
+    for i, o in enumerate(outputs):
+        if o is UNKNOWN:
+            s = shapes[i]
+            outputs[i] = OutMeta(tuple(s.shape), contiguous(s.shape), dtypes.to_torch(s.dtype))
+
+
+def flatten_result(result) -> list:
+    if isinstance(result, (tuple, list)):
+        out = []
+        for r in result:
+            if isinstance(r, (tuple, list)):
+                out.extend(r)
+            else:
+                out.append(r)
+        return out
+    return [result]

@@ -1,0 +1,151 @@
+"""The meta oracle: torch's own output shapes, strides and dtypes for an op call, and
+torch's own exception for bad input, before any JAX code runs.
+
+The op runs on meta tensors of the arguments' shapes, strides and dtypes. Where a meta
+kernel rejects input with another exception type than the CPU kernel (RuntimeError for
+IndexError), the rejected call is replayed on small CPU zeros to raise what the CPU
+raises. Lowerings that know their meta kernel disagrees with the CPU's say so at
+registration (``meta="skip"``, ``meta="check_only"``, ``statistics_dtype="cpu"``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from torchtpu import dtypes
+from torchtpu.dispatch.schema import SchemaInfo
+from torchtpu.dispatch.signature import TENSOR, TENSOR_LIST, Rules
+from torchtpu.dispatch.values import OutMeta
+from torchtpu.observe.locations import name_op
+
+META = torch.device("meta")
+
+
+def meta_tensor(meta: tuple) -> torch.Tensor:
+    shape, strides, offset, dtype, _ = meta
+    extent = offset + sum((n - 1) * s for n, s in zip(shape, strides) if n > 0) + 1
+    if 0 in shape:
+        extent = offset + 1
+    base = torch.empty(extent, dtype=dtype, device=META)
+    return base.as_strided(shape, strides, offset)
+
+
+def meta_values(rules: Rules, key: tuple, values: list) -> list:
+    """The op's arguments (bound, with their key) with every tensor replaced by a
+    meta tensor like it."""
+    memo: dict = {}
+    slots: list = []
+
+    def tensor(part, value):
+        if part is None:
+            return None
+        if type(part) is type:  # a Python number where the schema says Tensor
+            return value
+        if part[0] == "c":
+            return torch.empty((), dtype=part[1], device=META)
+        if len(part) == 5:  # a tensor on a storage not seen before
+            slot, meta = len(slots), part
+            slots.append(slot)
+        elif part[0] is None:
+            slot, meta = len(slots), part[1]
+            slots.append(slot)
+        else:
+            slot, meta = part
+        if (slot, meta) not in memo:
+            memo[(slot, meta)] = meta_tensor(meta)
+        return memo[(slot, meta)]
+
+    out = []
+    for kind, part, value in zip(rules.kinds, key, values):
+        if kind is TENSOR:
+            out.append(tensor(part, value))
+        elif kind is TENSOR_LIST:
+            out.append(None if part is None else [tensor(p, v) for p, v in zip(part[1:], value)])
+        elif isinstance(value, torch.device) and value.type == "tpu":
+            out.append(META)
+        elif isinstance(value, torch.Generator):
+            out.append(None)
+        else:
+            out.append(value)
+    return out
+
+
+def run_meta(op, info: SchemaInfo, margs: list):
+    """Torch's own shapes, strides, dtypes and errors for this call, or None."""
+    args, kwargs = info.split(margs)
+    try:
+        return op(*args, **kwargs)
+    except NotImplementedError as exc:
+        # Only a missing Meta kernel means "no oracle"; anything else (a quantized
+        # dtype, an unsupported combination) is torch's answer for this input.
+        if "'Meta' backend" in str(exc) or "no fake impl or Meta kernel" in str(exc):
+            return None
+        raise name_op(_as_on_cpu(op, args, kwargs, exc), op) from None
+    except Exception as exc:
+        raise name_op(_as_on_cpu(op, args, kwargs, exc), op) from None
+
+
+# Below this many elements, a call the meta kernel rejected is replayed on CPU zeros.
+_CPU_REPLAY_ELEMENTS = 1 << 20
+
+
+def _as_on_cpu(op, args, kwargs, meta_error: Exception) -> Exception:
+    """The exception the CPU kernel raises for this call, or ``meta_error``."""
+    leaves = [
+        t for t in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)
+    ]
+    if sum(t.numel() for t in leaves) > _CPU_REPLAY_ELEMENTS:
+        return meta_error
+
+    def on_cpu(value):
+        if isinstance(value, torch.Tensor):
+            return torch.zeros_like(value, device="cpu")
+        if isinstance(value, torch.device) and value.type == "meta":
+            return torch.device("cpu")
+        return value
+
+    cpu_args, cpu_kwargs = torch.utils._pytree.tree_map(on_cpu, (args, kwargs))
+    try:
+        op(*cpu_args, **cpu_kwargs)
+    except Exception as cpu_error:
+        return cpu_error
+    return meta_error
+
+
+def out_meta(t: torch.Tensor) -> OutMeta:
+    if t.dtype not in dtypes.SUPPORTED:
+        dtypes.check_supported(t.dtype, "result")
+    return OutMeta(tuple(t.shape), tuple(t.stride()), t.dtype)
+
+
+def cpu_statistics_dtype(outputs: list, args: dict, unknown: OutMeta) -> None:
+    """Normalization ops whose outputs 1 and 2 are the mean and inverse std: for a
+    16-bit input torch's CPU kernels return them in the input's dtype, or in float32
+    where a parameter (weight, bias, running stats) is float32; the meta kernels
+    follow CUDA's (float32 for layer and batch norm, the input's dtype for group
+    norm)."""
+    x = args["input"]
+    if x.dtype not in (torch.float16, torch.bfloat16):
+        return
+    params = [args.get(n) for n in ("weight", "bias", "running_mean", "running_var")]
+    mixed = any(p is not None and p.dtype == torch.float32 for p in params)
+    for i in (1, 2):
+        if outputs[i] not in (None, unknown):
+            outputs[i] = outputs[i]._replace(dtype=torch.float32 if mixed else x.dtype)
+
+
+def on_meta(args, kwargs):
+    """``args`` and ``kwargs`` with each tpu tensor replaced by a meta tensor like it,
+    and each tpu device by the meta device."""
+    from torch.utils._pytree import tree_map
+
+    from torchtpu.tensor import TPUTensor
+
+    def one(value):
+        if isinstance(value, TPUTensor):
+            return meta_tensor(value._meta)
+        if isinstance(value, torch.device) and value.type == "tpu":
+            return META
+        return value
+
+    return tree_map(one, (args, kwargs))

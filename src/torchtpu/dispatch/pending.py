@@ -1,0 +1,27 @@
+"""`Pending`: a value DeferAndFuse will produce (defer.py), held by a Storage in place
+of its array until the queue that records it is flushed."""
+
+from __future__ import annotations
+
+
+class Pending:
+    """A value the queue will produce: output ``index`` of node ``node``."""
+
+    __slots__ = ("node", "index", "shape", "dtype", "value", "error", "__weakref__")
+
+    def __init__(self, node: int, index: int, shape, dtype):
+        self.node, self.index, self.shape, self.dtype = node, index, shape, dtype
+        self.value = None
+        self.error = None
+
+    def node_done(self) -> bool:
+        """Whether its chunk ran (successfully or not)."""
+        return self.value is not None or self.error is not None
+
+    def resolved(self):
+        """The concrete array (after its flush), raising its chunk's error if it failed."""
+        if self.error is not None:
+            raise RuntimeError(
+                f"this tensor's value was never computed: {self.error}"
+            ) from self.error
+        return self.value

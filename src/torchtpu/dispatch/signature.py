@@ -1,0 +1,255 @@
+"""An op call taken apart: its *key* (what a compiled plan depends on) and its *feed*
+(the arrays and traced scalars the plan is called with), in one pass over the
+arguments.
+
+The key holds, per argument: for a tensor its ``_meta`` (shape, strides, offset,
+dtype, view chain), or ``(slot, _meta)`` when it shares the storage of an earlier
+argument (aliasing changes the program), or ``(None, _meta)`` for an uninitialised
+storage; the Python type of each traced scalar; every static argument's value. It is
+built from the arguments as torch passes them, without binding them to the schema:
+`scan` is on every op's path, so it costs a few attribute reads per argument.
+
+Note [Traced and static scalars]
+    A Python number where the schema says Scalar (``add(x, y, alpha=2)``, an lr) is a
+    traced input of the compiled function, so a new value never recompiles; the
+    schema's default (``alpha=1``) and the arguments a lowering names ``static`` stay
+    constants. A number where the schema says Tensor (``x + 1``) is traced too, and
+    so is a 0-d CPU tensor (torch lets it join ops on any device, as a scalar).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from torchtpu import dtypes, tracing
+from torchtpu.dispatch.pending import Pending
+from torchtpu.dispatch.schema import Kind, SchemaInfo
+from torchtpu.tensor import TPUTensor
+
+# Rules: how `scan` reads the argument at each position.
+TENSOR, TENSOR_LIST, SCALAR, SCALAR_LIST, STATIC = range(5)
+_NUMBERS = (int, float, bool, complex)
+
+
+class Rules(NamedTuple):
+    """Per argument position: the rule, and the schema default of a traced scalar."""
+
+    kinds: tuple
+    defaults: tuple
+    names: tuple
+
+
+def rules(info: SchemaInfo, static: frozenset) -> Rules:
+    kinds, defaults = [], []
+    for arg in info.args:
+        if arg.kind is Kind.TENSOR:
+            kinds.append(TENSOR)
+        elif arg.kind is Kind.TENSOR_LIST:
+            kinds.append(TENSOR_LIST)
+        elif arg.kind is Kind.SCALAR and arg.name not in static:
+            kinds.append(SCALAR)
+        elif arg.kind is Kind.SCALAR_LIST and arg.name not in static:
+            kinds.append(SCALAR_LIST)
+        else:
+            kinds.append(STATIC)
+        defaults.append(arg.default)
+    return Rules(tuple(kinds), tuple(defaults), tuple(a.name for a in info.args))
+
+
+class Call:
+    """One op call: ``key`` and the feed (``arrays``, ``scalars``), the distinct
+    ``storages`` of its tensor arguments in order, and the ``device`` they are on."""
+
+    __slots__ = ("key", "arrays", "scalars", "storages", "device")
+
+
+def scan(op, rules: Rules, values) -> Call:
+    """Take apart ``values`` (the op's arguments in schema order; trailing defaults
+    may be left out)."""
+    key = []
+    arrays = []
+    scalars = []
+    storages = []
+    call = Call()
+    call.device = None
+    kinds, defaults = rules.kinds, rules.defaults
+    for i, value in enumerate(values):
+        kind = kinds[i]
+        if kind is TENSOR:
+            if type(value) is TPUTensor:
+                s = value._storage
+                for slot, seen in enumerate(storages):
+                    if seen is s:
+                        key.append((slot, value._meta))
+                        break
+                else:
+                    _new_storage(op, call, storages, arrays, key, s, value._meta)
+            elif value is None:
+                key.append(None)
+            else:
+                key.append(_other_tensor(op, call, storages, arrays, scalars, value))
+        elif kind is SCALAR:
+            if value is None:
+                key.append(None)
+            else:
+                default = defaults[i]
+                if value is default or (type(value) is type(default) and value == default):
+                    key.append((type(value), value))
+                else:
+                    scalars.append(value)
+                    key.append(type(value))
+        elif kind is STATIC:
+            key.append(hashable(value))
+        elif kind is TENSOR_LIST:
+            if value is None:
+                key.append(None)
+            else:
+                parts = ["l"]
+                for v in value:
+                    parts.append(_other_tensor(op, call, storages, arrays, scalars, v))
+                key.append(tuple(parts))
+        elif value is None:  # SCALAR_LIST
+            key.append(None)
+        else:
+            scalars.extend(value)
+            key.append(("sl",) + tuple(type(v) for v in value))
+    call.key = tuple(key)
+    call.arrays, call.scalars, call.storages = arrays, scalars, storages
+    return call
+
+
+def _new_storage(op, call, storages, arrays, key, s, meta) -> None:
+    if call.device is None:
+        call.device = s.device_index
+    elif call.device != s.device_index:
+        raise RuntimeError(
+            f"{op}: Expected all tensors to be on the same device, but found at least "
+            f"two devices, tpu:{call.device} and tpu:{s.device_index}!"
+        )
+    storages.append(s)
+    array = s.array
+    if array is None:
+        key.append((None, meta))
+        return
+    if type(array) is Pending and array.node_done():
+        array = s.array = array.resolved()
+    arrays.append(array)
+    key.append(meta)
+
+
+def _other_tensor(op, call, storages, arrays, scalars, t):
+    """The key of a tensor argument that is not a plain TPUTensor (or is in a list)."""
+    if t is None:
+        return None
+    if isinstance(t, TPUTensor):
+        s = t._storage
+        for slot, seen in enumerate(storages):
+            if seen is s:
+                return (slot, t._meta)
+        parts: list = []
+        _new_storage(op, call, storages, arrays, parts, s, t._meta)
+        return parts[0]
+    if type(t) in _NUMBERS:
+        scalars.append(t)
+        return type(t)
+    if isinstance(t, torch.Tensor):
+        if t.dim() == 0 and t.device.type == "cpu":
+            scalars.append(t.item())
+            if tracing._active is not None:  # a constant of the program: guarded
+                tracing._active.cpu_scalars.append(t)
+            return ("c", t.dtype)
+        where = "tpu" if call.device is None else f"tpu:{call.device}"
+        raise RuntimeError(
+            f"{op}: Expected all tensors to be on the same device, but found at least "
+            f"two devices, {where} and {t.device}!"
+        )
+    raise TypeError(f"{op}: expected a Tensor, got {type(t).__name__}")
+
+
+class Number(NamedTuple):
+    """A static number in a key: 4 and 4.0 (and 1 and True) are equal and hash alike
+    in Python, but are different constants to torch (``arange(4)`` is int64,
+    ``arange(4.0)`` float32)."""
+
+    type: type
+    value: object
+
+    def __repr__(self) -> str:
+        return repr(self.value)
+
+
+def hashable(value):
+    """A static argument as a key element."""
+    if type(value) in _NUMBERS:
+        return Number(type(value), value)
+    if isinstance(value, torch.dtype) and value not in dtypes.SUPPORTED:
+        dtypes.check_supported(value, "result")
+    if isinstance(value, list):
+        return tuple(hashable(v) for v in value)
+    if isinstance(value, torch.Generator):
+        raise RuntimeError(
+            f"Expected a 'tpu' device type for generator but found '{value.device.type}'"
+        )
+    return value
+
+
+def plain(value):
+    """A static value from a key as the lowering takes it (undoing `Number`)."""
+    if type(value) is Number:
+        return value.value
+    if type(value) is tuple:
+        return tuple(plain(v) for v in value)
+    return value
+
+
+# -- reading a key -----------------------------------------------------------------------
+
+
+def tensor_meta(part):
+    """The ``_meta`` of a tensor's key element, else None."""
+    if type(part) is tuple and len(part) == 5:
+        return part
+    if type(part) is tuple and len(part) == 2 and (part[0] is None or type(part[0]) is int):
+        return part[1] if type(part[1]) is tuple and len(part[1]) == 5 else None
+    return None
+
+
+def describe_change(names, old: tuple, new: tuple) -> str:
+    """What differs between two plan keys of one op, in the user's terms."""
+    (_, old_args, old_dtype, old_precision) = old
+    (_, new_args, new_dtype, new_precision) = new
+    for name, a, b in zip(names, old_args, new_args):
+        if a != b:
+            before, after = _describe(a), _describe(b)
+            if before == after:
+                return f"argument `{name}`: its strides or view changed ({after})"
+            return f"argument `{name}`: {before} -> {after}"
+    if len(old_args) != len(new_args):
+        return "which arguments were passed"
+    if old_dtype != new_dtype:
+        return f"the default dtype: {old_dtype} -> {new_dtype}"
+    if old_precision != new_precision:
+        return f"the matmul precision: {old_precision} -> {new_precision}"
+    return "a signature seen before (it was dropped from the full op cache)"
+
+
+def _describe(part) -> str:
+    if part is None:
+        return "None"
+    meta = tensor_meta(part)
+    if meta is not None:
+        shape, _, _, dtype, _ = meta
+        return f"{str(dtype).replace('torch.', '')}{list(shape)}"
+    if type(part) is type:
+        return f"a traced {part}"
+    if type(part) is tuple and part and part[0] == "l":
+        return "[" + ", ".join(_describe(p) for p in part[1:]) + "]"
+    if type(part) is tuple and part and part[0] == "sl":
+        return f"traced {part[1:]}"
+    if type(part) is tuple and part and part[0] == "c":
+        return f"a 0-d CPU tensor of {part[1]}"
+    if type(part) is tuple and len(part) == 2 and type(part[0]) is type:
+        return f"the constant {part[1]!r}"
+    return f"the constant {part!r}"

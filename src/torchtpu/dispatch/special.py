@@ -1,0 +1,259 @@
+"""The ops that are not computations: moving data between devices, reading a value,
+allocating, metadata-only ops, and the few ops torch's schema describes dishonestly.
+Each is a handler ``(func, args, kwargs)``; `SPECIAL` maps ops to them.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+from torch.utils._pytree import tree_map
+
+from torchtpu import tensor as tensor_module
+from torchtpu.dispatch import plans, schema
+from torchtpu.dispatch.meta import on_meta
+from torchtpu.dispatch.values import (
+    OutMeta,
+    current_device,
+    from_cpu,
+    materialize,
+    move,
+    to_host,
+    wrap,
+)
+from torchtpu.observe.locations import name_op
+from torchtpu.ops import TABLE
+from torchtpu.runtime.transfer import to_device
+from torchtpu.tensor import TPUTensor
+
+aten = torch.ops.aten
+
+
+@functools.cache
+def _lowered(op, lowered_as):
+    """The handler running ``op`` with the lowering of ``lowered_as``."""
+    return plans.lowered_handler(plans.Entry(op, TABLE[lowered_as], schema.info(op)))
+
+
+def run_on_host(func, args, kwargs):
+    """Ops asked to make their result on the CPU (``device="cpu"``), from tpu inputs
+    copied to the host. (Not the CPU fallback: the CPU is where the result was asked for.)"""
+
+    def host(x):
+        return to_host(materialize(x)) if isinstance(x, TPUTensor) else x
+
+    return func(*tree_map(host, args), **tree_map(host, kwargs))
+
+
+def _same_storage(func, args, kwargs):
+    """detach, alias, lift_fresh: a new tensor object on the same data, same view."""
+    x = args[0]
+    return TPUTensor(x._storage, x._chain, *x._meta[:4])
+
+
+# -- data movement and reading values ------------------------------------------------------
+
+
+def _to_copy(func, args, kwargs):
+    x = args[0]
+    device = kwargs.get("device")
+    if device is not None and torch.device(device).type == "cpu":
+        host = to_host(materialize(x))
+        dtype = kwargs.get("dtype") or x.dtype
+        memory_format = kwargs.get("memory_format")
+        out = host.to(dtype=dtype)
+        if memory_format not in (None, torch.preserve_format):
+            return out.contiguous(memory_format=memory_format)
+        # preserve_format keeps dense layouts (a transpose) and makes others (an
+        # expand) contiguous: ask torch which strides that gives.
+        strides = torch.empty_like(
+            torch.empty_strided(x.shape, x.stride(), dtype=dtype, device="meta")
+        ).stride()
+        if strides != out.stride():
+            out = torch.empty_strided(x.shape, strides, dtype=dtype).copy_(out)
+        return out
+    if device is not None:
+        target = torch.device(device)
+        index = target.index if target.index is not None else current_device()
+        if index != x._storage.device_index:
+            moved = move(x, index)
+            kwargs = {k: v for k, v in kwargs.items() if k != "device"}
+            return func(moved, *args[1:], **kwargs)
+    return _lowered(func, func)(func, args, kwargs)
+
+
+def _copy_(func, args, kwargs):
+    dst, src = args[0], args[1]
+    if not isinstance(dst, TPUTensor):
+        # tpu -> cpu
+        host = to_host(materialize(src))
+        return dst.copy_(host)
+    whole = (
+        not dst._chain
+        and tuple(dst.shape) == tuple(src.shape)
+        and tuple(dst.shape) == dst._storage.shape
+    )
+    if not isinstance(src, TPUTensor):
+        if whole:
+            # The common `cpu_tensor.to("tpu")`: the transferred array becomes the base,
+            # nothing to compile. (The host does the dtype conversion, as torch would.)
+            dst._storage.set(to_device(src.to(dst.dtype), dst._storage.device_index))
+            return dst
+        src = from_cpu(src, dst._storage.device_index)
+    elif src._storage.device_index != dst._storage.device_index:
+        src = move(src, dst._storage.device_index)
+    if whole and src.dtype == dst.dtype and not src._chain and src._storage.array is not None:
+        # JAX arrays (and pending values) are immutable: the destination can share it.
+        dst._storage.set(src._storage.array)
+        return dst
+    return _lowered(func, aten.copy.default)(func, (dst, src) + tuple(args[2:]), kwargs)
+
+
+def _local_scalar_dense(func, args, kwargs):
+    return to_host(materialize(args[0])).item()
+
+
+def _allocate(func, args, kwargs):
+    """empty_like and friends: an uninitialised storage (reads as zeros)."""
+    a, k = on_meta(args, kwargs)
+    try:
+        out = func(*a, **k)
+    except Exception as exc:
+        raise name_op(exc, func) from None
+    device = next((t._storage.device_index for t in args if isinstance(t, TPUTensor)), None)
+    explicit = kwargs.get("device")
+    if explicit is not None:
+        explicit = torch.device(explicit)
+        if explicit.type == "cpu":
+            return run_on_host(func, args, kwargs)
+        device = explicit.index if explicit.index is not None else device
+    meta = OutMeta(tuple(out.shape), tuple(out.stride()), out.dtype)
+    return wrap(None, meta, device if device is not None else current_device())
+
+
+def _resize_(func, args, kwargs):
+    """resize_ (also how ``out=`` tensors of the wrong size are resized), as torch does:
+    within its storage where that holds the new size, else in a new storage of the new
+    size keeping its leading values. (torch grows the shared storage then; here the
+    other views of the old storage no longer alias the grown tensor.)"""
+    x, size = args[0], tuple(args[1])
+    memory_format = kwargs.get("memory_format") or (args[2] if len(args) > 2 else None)
+    if tuple(x.shape) == size and memory_format in (
+        None,
+        torch.contiguous_format,
+        torch.preserve_format,
+    ):
+        return x
+    meta = torch.empty(
+        size, dtype=x.dtype, device="meta", memory_format=memory_format or torch.contiguous_format
+    )
+    offset = x.storage_offset()
+    if x._storage.holds(offset, meta.numel()):
+        # The storage holds the new size: x stays in it, as on the CPU, still aliasing
+        # the other views of it.
+        fresh = x.as_strided(size, meta.stride(), offset)
+    else:
+        fresh, offset = (
+            tensor_module.empty_tensor(size, meta.stride(), x.dtype, x._storage.device_index),
+            0,
+        )
+        keep = min(x.numel(), fresh.numel())
+        if keep and x._storage.array is not None:
+            fresh.view(-1)[:keep].copy_(x.reshape(-1)[:keep])
+    # x's TensorImpl takes fresh's (data-less) storage too: torch checks sizes against
+    # it. Setting a storage has no tpu kernel; the Meta one is generic TensorImpl code.
+    aten.set_.source_Storage_storage_offset.redispatch(
+        torch._C.DispatchKeySet(torch._C.DispatchKey.Meta),
+        x,
+        fresh.untyped_storage(),
+        offset,
+        size,
+        meta.stride(),
+    )
+    x._storage, x._chain, x._meta = fresh._storage, fresh._chain, fresh._meta
+    return x
+
+
+def _as_strided_scatter(func, args, kwargs):
+    """torch's definition, on tpu views: a copy of ``self`` laid out with its strides
+    (gaps included), ``src`` copied into its as_strided view. The memory positions are
+    those of that layout, so they must be real strides, not a lowering's values."""
+    x, src, size, stride, storage_offset = schema.info(func).bind(args, kwargs)
+    offset = storage_offset or 0
+    extent = _extent(x.shape, x.stride(), 0)
+    if _extent(size, stride, offset) > extent:
+        raise RuntimeError(
+            f"{func}: sizes {list(size)}, strides {list(stride)} and storage offset {offset} "
+            f"need {_extent(size, stride, offset)} elements; the input's layout holds {extent}"
+        )
+    memory = x.new_zeros(extent)
+    out = memory.as_strided(x.shape, x.stride())
+    out.copy_(x)
+    memory.as_strided(size, stride, offset).copy_(src)
+    return out
+
+
+def _extent(shape, strides, offset: int) -> int:
+    """How many elements of memory a strided layout spans (0 when it has none)."""
+    if math.prod(shape) == 0:
+        return 0
+    return offset + 1 + sum((n - 1) * s for n, s in zip(shape, strides))
+
+
+def _no_op_false(func, args, kwargs):
+    return False
+
+
+def _identity(func, args, kwargs):
+    return args[0]
+
+
+def _set_source_tensor(func, args, kwargs):
+    dst, src = args[0], args[1]
+    if (
+        not isinstance(src, TPUTensor)
+        or tuple(dst.shape) != tuple(src.shape)
+        or dst.dtype != src.dtype
+    ):
+        raise RuntimeError(
+            f"{func}: tpu tensors can only be set_ to a tpu tensor of the same shape and dtype"
+        )
+    dst._storage, dst._chain, dst._meta = src._storage, src._chain, src._meta
+    return dst
+
+
+def _native_batch_norm(func, args, kwargs):
+    """native_batch_norm updates the running stats in place although its schema does
+    not say so; _native_batch_norm_legit is the same op with an honest schema."""
+    input, weight, bias, running_mean, running_var, training, momentum, eps = schema.info(
+        func
+    ).bind(args, kwargs)
+    if running_mean is None:
+        return aten._native_batch_norm_legit.no_stats(input, weight, bias, training, momentum, eps)
+    return aten._native_batch_norm_legit.default(
+        input, weight, bias, running_mean, running_var, training, momentum, eps
+    )
+
+
+SPECIAL = {
+    aten.native_batch_norm.default: _native_batch_norm,
+    aten._to_copy.default: _to_copy,
+    aten.copy_.default: _copy_,
+    aten._local_scalar_dense.default: _local_scalar_dense,
+    aten.detach.default: _same_storage,
+    aten.alias.default: _same_storage,
+    aten.lift_fresh.default: _same_storage,
+    aten.empty_like.default: _allocate,
+    aten.new_empty.default: _allocate,
+    aten.new_empty_strided.default: _allocate,
+    aten.empty_strided.default: _allocate,
+    aten.empty.memory_format: _allocate,
+    aten.resize_.default: _resize_,
+    aten.is_pinned.default: _no_op_false,
+    aten._pin_memory.default: _identity,
+    aten.record_stream.default: lambda func, args, kwargs: None,
+    aten.set_.source_Tensor: _set_source_tensor,
+    aten.as_strided_scatter.default: _as_strided_scatter,
+}

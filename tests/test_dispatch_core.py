@@ -1,0 +1,114 @@
+"""The dispatcher's hot path: what is cached, what is built once, and what Debug mode
+checks of a lowering's result."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+
+import pytest
+import torch
+
+import torchtpu
+from conftest import assert_same
+from torchtpu.dispatch import core, defer, plans
+from torchtpu.ops import TABLE
+
+aten = torch.ops.aten
+
+
+def _counts(category):
+    return torchtpu.metrics().get(category, {})
+
+
+def test_a_repeated_call_is_one_cache_hit_and_no_build(monkeypatch):
+    x = torch.randn(8, 8, device="tpu")
+    y = torch.randn(8, 8, device="tpu")
+    x + y  # the first call builds and compiles its plan
+    built = []
+    original = plans.build
+    monkeypatch.setattr(plans, "build", lambda *a: built.append(a) or original(*a))
+    torchtpu.reset_metrics()
+    for _ in range(5):
+        x + y
+    assert built == []
+    assert _counts("op_cache") == {"hit": 5}
+    assert "compiles" not in torchtpu.metrics()
+
+
+def test_aliasing_arguments_get_their_own_plan():
+    """``x + x`` reads one storage twice; ``x + y`` two: different programs, same values."""
+    x = torch.arange(4.0, device="tpu")
+    y = torch.arange(4.0, device="tpu")
+    torchtpu.reset_metrics()
+    assert_same(x + y, torch.arange(4.0) * 2)
+    assert_same(x + x, torch.arange(4.0) * 2)
+    assert _counts("op_cache") == {"miss": 2}
+    x.add_(x)  # written and read through the same storage
+    assert_same(x, torch.arange(4.0) * 2)
+
+
+def test_changing_a_traced_scalar_reuses_the_plan_but_the_default_is_static():
+    x = torch.ones(3, device="tpu")
+    torch.add(x, x, alpha=2)
+    torchtpu.reset_metrics()
+    assert_same(torch.add(x, x, alpha=3), torch.full((3,), 4.0))
+    assert _counts("op_cache") == {"hit": 1}
+    assert_same(torch.add(x, x, alpha=1), torch.full((3,), 2.0))  # the default: static
+    assert _counts("op_cache") == {"hit": 1, "miss": 1}
+
+
+def test_defaults_left_out_or_given_compute_the_same():
+    x = torch.randn(4, 5)
+    t = x.to("tpu")
+    assert_same(torch.sum(t, 1), torch.sum(x, 1))
+    assert_same(torch.sum(t, 1, False), torch.sum(x, 1, False))
+    assert_same(torch.sum(t, dim=1, keepdim=True), torch.sum(x, dim=1, keepdim=True))
+
+
+def _plant(monkeypatch, op, fn):
+    """Replace ``op``'s lowering by ``fn`` for one test (and forget cached plans)."""
+    monkeypatch.setitem(TABLE, op, dataclasses.replace(TABLE[op], fn=fn))
+    monkeypatch.delitem(core._HANDLERS, op, raising=False)
+    monkeypatch.setattr(plans, "_PLANS", type(plans._PLANS)("op_cache", lambda: 1024))
+
+
+def test_debug_mode_names_a_lowering_of_the_wrong_shape(monkeypatch):
+    jnp = torchtpu.runtime.jax().numpy
+    _plant(monkeypatch, aten.exp.default, lambda x: jnp.exp(x[:1]))  # wrong: drops rows
+    x = torch.zeros(3, 2, device="tpu")
+    with torch.tpu.set_eager_mode("debug"):
+        line = sys._getframe().f_lineno + 2
+        with pytest.raises(RuntimeError) as info:
+            torch.exp(x)
+    message = str(info.value)
+    assert "aten.exp.default" in message and "shape [1, 2]" in message and "[3, 2]" in message
+    assert f"test_dispatch_core.py:{line}" in message
+
+
+def test_debug_mode_names_a_lowering_of_the_wrong_kind_of_dtype(monkeypatch):
+    _plant(monkeypatch, aten.exp.default, lambda x: x > 0)  # wrong: a bool result
+    x = torch.zeros(3, device="tpu")
+    with torch.tpu.set_eager_mode("debug"):
+        with pytest.raises(RuntimeError, match="aten.exp.default: .* is bool where torch's"):
+            torch.exp(x)
+
+
+def test_recording_builds_the_chunk_key_as_it_goes():
+    with torch.tpu.set_eager_mode("defer"):
+        x = torch.ones(4, device="tpu")
+        x.cpu()
+        y = x * 2 + 1
+        q = defer._queue
+        assert len(q.plans) == 2 and len(q.key) == 4  # (plan, wiring) per op
+        assert_same(y, torch.full((4,), 3.0))
+        assert defer.pending_count() == 0
+
+
+def test_a_chunk_takes_each_external_array_once():
+    with torch.tpu.set_eager_mode("defer"):
+        x = torch.ones(4, device="tpu")
+        x.cpu()
+        y = x * x + x - x
+        assert len(defer._queue.externals) == 1
+        assert_same(y, torch.ones(4))
