@@ -12,7 +12,7 @@ from torchtpu.dispatch import plans
 
 
 def _mm_precisions():
-    return {key[-1] for key in plans._PLANS if key[0] is torch.ops.aten.mm.default}
+    return {key[-1] for key in plans._PLANS if key[0].op is torch.ops.aten.mm.default}
 
 
 @pytest.fixture

@@ -69,6 +69,7 @@ class Plan:
         "key",
         "names",
         "mismatch",
+        "fast",
     )
 
 
@@ -151,6 +152,7 @@ def build(op, lowering, info_: SchemaInfo, rules, values: list, call: Call) -> P
     plan.compiled = False
     plan.check_infos = []
     plan.mismatch = None
+    plan.fast = False  # set once traced (plans.py _note_fast)
     plan.names = names
     written: list[int] = []
     for t in targets:

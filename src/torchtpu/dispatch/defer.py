@@ -65,13 +65,12 @@ def record(plan, args: list, out_avals: list, where: str | None) -> list[Pending
     externals = q.externals
     for a in args:
         if type(a) is Pending:
-            if a.value is not None or a.error is not None:
-                a = a.resolved()
-            elif a.node < position and q.outputs[a.node][a.index]() is a:
+            if a.queue is q and a.value is None:
                 refs.append((1, a.node, a.index))
                 continue
-            else:
+            if a.value is None and a.error is None:
                 raise RuntimeError("torchtpu internal error: a pending value from another queue")
+            a = a.resolved()
         if hasattr(a, "shape"):  # a concrete array: one chunk input however often used
             slot = q.external_slot.get(id(a))
             if slot is None:
@@ -83,10 +82,15 @@ def record(plan, args: list, out_avals: list, where: str | None) -> list[Pending
             refs.append((0, len(externals), 0))
             externals.append(a)
     refs = tuple(refs)
-    outputs = [Pending(position, i, shape, dtype) for i, (shape, dtype) in enumerate(out_avals)]
+    if len(out_avals) == 1:
+        shape, dtype = out_avals[0]
+        outputs = [Pending(position, 0, shape, dtype, q)]
+        q.outputs.append([weakref.ref(outputs[0])])
+    else:
+        outputs = [Pending(position, i, s, d, q) for i, (s, d) in enumerate(out_avals)]
+        q.outputs.append([weakref.ref(p) for p in outputs])
     q.plans.append(plan)
     q.refs.append(refs)
-    q.outputs.append([weakref.ref(p) for p in outputs])
     q.wheres.append(where)
     q.key.append(plan.uid)
     q.key.append(refs)

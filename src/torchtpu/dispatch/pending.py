@@ -7,10 +7,11 @@ from __future__ import annotations
 class Pending:
     """A value the queue will produce: output ``index`` of node ``node``."""
 
-    __slots__ = ("node", "index", "shape", "dtype", "value", "error", "__weakref__")
+    __slots__ = ("node", "index", "shape", "dtype", "queue", "value", "error", "__weakref__")
 
-    def __init__(self, node: int, index: int, shape, dtype):
+    def __init__(self, node: int, index: int, shape, dtype, queue=None):
         self.node, self.index, self.shape, self.dtype = node, index, shape, dtype
+        self.queue = queue  # the queue that will produce it
         self.value = None
         self.error = None
 

@@ -1,6 +1,6 @@
 """Running an op call as its compiled plan: the hot path of every lowered op.
 
-`run` scans the call (signature.py: its key and feed in one pass), looks the key up in
+`lowered_handler` scans the call (signature.py: its key and feed in one pass), looks the key up in
 the op cache and, in Strict and Debug, calls the plan's jitted function with the feed;
 in DeferAndFuse it records the call in the queue instead (defer.py). Only a cache miss
 binds the arguments to the schema and builds a plan (builder.py). The results are
@@ -55,47 +55,83 @@ class Entry:
 _PLANS = metrics.LRUCache("op_cache", lambda: config.op_cache_size)
 
 
-def run(entry: Entry, args: tuple, kwargs: dict, mode: EagerMode):
-    """Run ``entry.op`` on ``args``/``kwargs`` in ``mode``; return what torch's op returns."""
-    lowering, op = entry.lowering, entry.op
-    if lowering.dynamic_shape:
-        defer.flush("data-dependent shape")
-        return _run_dynamic(entry, entry.info.bind(args, kwargs))
-    if mode is _DEFER and not entry.info.all_tensor_returns:
-        defer.flush("value read")  # the op returns a Python number: run it now
-        mode = _STRICT
-    values = entry.info.bind(args, kwargs) if kwargs else args
-    call = scan(op, entry.rules, values)
-    # The default dtype decides the dtype of factories and of float scalars' promotion.
-    key = (
-        op,
-        call.key,
-        torch.get_default_dtype(),
-        _precision.current() if lowering.precision else None,
-    )
-    plan = _PLANS.get(key)
-    if plan is None:
-        plan = _miss(entry, values, key, mode)
-    else:
-        _PLANS.move_to_end(key)
-        metrics.count("op_cache", "hit")
-    device = call.device
-    if device is None:
-        device = _factory_device(entry.info, values)
-    try:
-        if mode is _DEFER:
-            outputs, bases = _record(plan, call, device)
+def lowered_handler(entry: Entry):
+    """The dispatcher's handler for an op computed by a lowering.
+
+    This is the hot path of every such op, so the common case -- a cache hit whose
+    plan makes one new tensor -- runs inline, with what it needs of ``entry`` held in
+    the closure; everything else is a call away."""
+    op, lowering, info = entry.op, entry.lowering, entry.info
+    op_rules = entry.rules
+    uses_precision = lowering.precision
+    returns_numbers = not info.all_tensor_returns
+    mode_value = {m: m.value for m in EagerMode}
+    ops_run = metrics.counter("ops")
+    op_cache = metrics.counter("op_cache")
+    plans, get_default_dtype, record = _PLANS, torch.get_default_dtype, defer.record
+
+    def handler(func, args, kwargs):
+        mode = modes._current or modes.current()
+        ops_run[mode_value[mode]] += 1
+        if lowering.dynamic_shape:
+            defer.flush("data-dependent shape")
+            return _run_dynamic(entry, info.bind(args, kwargs))
+        if mode is _DEFER and returns_numbers:
+            defer.flush("value read")  # the op returns a Python number: run it now
+            mode = _STRICT
+        values = info.bind(args, kwargs) if kwargs else args
+        call = scan(op, op_rules, values)
+        # The default dtype decides the dtype of factories and of float scalars' promotion.
+        key = (
+            entry,
+            call.key,
+            get_default_dtype(),
+            _precision.current() if uses_precision else None,
+        )
+        plan = plans.get(key)
+        if plan is None:
+            plan = _miss(entry, values, key, mode)
         else:
-            outputs, bases = _execute(plan, call, device, mode is _DEBUG)
-    except Exception as exc:
-        raise add_context(exc, op, values) from None
-    if bases:
-        storages = call.storages
-        for slot, base in zip(plan.written_slots, bases):
-            storages[slot].set(base)
-    if plan.single is not None:
-        return _fresh(outputs[plan.single], plan.fresh[plan.single], device)
-    return _assemble(plan, values, outputs, device)
+            plans.move_to_end(key)
+            op_cache["hit"] += 1
+        device = call.device
+        if device is None:
+            device = _factory_device(info, values)
+        single = plan.single
+        if plan.fast and not device:
+            # The usual op: one new tensor, nothing written back, checked or drawn.
+            if mode is _DEFER:
+                value = record(plan, call.arrays + call.scalars, plan.avals, None)[0]
+            elif mode is _STRICT and plan.compiled and tracing._active is None:
+                value = plan.call(*call.arrays, *call.scalars)[single]
+            else:
+                value = None
+            if value is not None:
+                out, meta = plan.fresh[single]
+                shape, strides, dtype = out
+                t = _make_wrapper(TPUTensor, shape, strides=strides, dtype=dtype, device=_TPU0)
+                t._storage, t._chain, t._meta = Storage(value, shape, strides, dtype, 0), (), meta
+                return t
+        try:
+            if mode is _DEFER:
+                outputs, bases = _record(plan, call, device)
+            else:
+                outputs, bases = _execute(plan, call, device, mode is _DEBUG)
+        except Exception as exc:
+            raise add_context(exc, op, values) from None
+        if bases:
+            storages = call.storages
+            for slot, base in zip(plan.written_slots, bases):
+                storages[slot].set(base)
+        if single is not None:
+            return _fresh(outputs[single], plan.fresh[single], device)
+        return _assemble(plan, values, outputs, device)
+
+    return handler
+
+
+_make_wrapper = torch.Tensor._make_wrapper_subclass
+_TPU0 = tpu_device(0)
 
 
 def _miss(entry: Entry, values, key, mode) -> Plan:
@@ -127,6 +163,7 @@ def _execute(plan: Plan, call, device: int, debug: bool):
         start = time.perf_counter()
         flat = _call(plan, args, device)
         plan.compiled = True
+        _note_fast(plan)
         metrics.count("compiles", "op")
         metrics.count("compile_seconds", "op", time.perf_counter() - start)
     elif device and not plan.reads_arrays:
@@ -149,6 +186,18 @@ def _execute(plan: Plan, call, device: int, debug: bool):
     if n_written:
         return flat[:n_out], flat[n_out : n_out + n_written]
     return flat, ()
+
+
+def _note_fast(plan: Plan) -> None:
+    """Once its function was traced (its value checks are known): whether the plan
+    can take the inline path of `lowered_handler`."""
+    plan.fast = (
+        plan.single is not None
+        and plan.traced
+        and not plan.random
+        and not plan.check_infos
+        and not plan.written_slots
+    )
 
 
 def _call(plan: Plan, args, device: int):
@@ -174,6 +223,7 @@ def _record(plan: Plan, call, device: int):
             jax().ShapeDtypeStruct(a.shape, a.dtype) if hasattr(a, "shape") else a for a in args
         ]
         jax().eval_shape(plan.fn, *abstract)
+        _note_fast(plan)
     # The user's line costs a stack walk: only kept where an error may need it.
     where = user_frame() if plan.check_infos else None
     pending = defer.record(plan, args, plan.avals, where)
@@ -256,15 +306,3 @@ def _run_dynamic(entry: Entry, values: list):
         meta = OutMeta(tuple(array.shape), contiguous(array.shape), dtypes.to_torch(array.dtype))
         results.append(wrap(array, meta, device))
     return results[0] if len(results) == 1 else tuple(results)
-
-
-def lowered_handler(entry: Entry):
-    """The dispatcher's handler for an op computed by a lowering."""
-    mode_value = {m: m.value for m in EagerMode}
-
-    def handler(func, args, kwargs):
-        mode = modes._current or modes.current()
-        metrics.count("ops", mode_value[mode])
-        return run(entry, args, kwargs, mode)
-
-    return handler

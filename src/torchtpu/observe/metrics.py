@@ -17,6 +17,12 @@ def count(category: str, name: str, n: float = 1) -> None:
     _counts[category][name] += n
 
 
+def counter(category: str) -> collections.Counter:
+    """The live counter of ``category``, for code on every op's path to increment
+    directly (``ops[name] += 1``); `reset_metrics` zeroes it in place."""
+    return _counts[category]
+
+
 # Event logs being recorded (torchtpu.explain); empty almost always, so `event` is cheap.
 _recorders: list[list] = []
 
@@ -65,7 +71,8 @@ def metrics() -> dict[str, dict[str, float]]:
 
 def reset_metrics() -> None:
     """Zero every counter."""
-    _counts.clear()
+    for c in _counts.values():
+        c.clear()
 
 
 def metrics_report() -> str:
