@@ -15,7 +15,7 @@ import types
 
 import torch
 
-from torchtpu import autocast, dtypes, modes, rng
+from torchtpu import autocast, dtypes, modes, pinned, rng, serialization
 from torchtpu.matmul_precision import Precision, precision
 from torchtpu.modes import EagerMode, set_eager_mode
 
@@ -291,4 +291,6 @@ def register() -> None:
         packet, _, overload = name.partition(".")
         op = getattr(getattr(torch.ops.aten, packet), overload or "default")
         _library.impl(name, _factory_kernel(op), "PrivateUse1")
+    pinned.register(_library)
+    serialization.register()
     autocast.register()

@@ -192,8 +192,12 @@ class TPUTensor(torch.Tensor):
 
     def __reduce_ex__(self, protocol):
         # Save the values, not the Storage object: a loaded tensor is a fresh tpu tensor.
+        # (Rebuilt by torchtpu's function rather than torch's
+        # _rebuild_device_tensor_from_cpu_tensor, which refuses a callable map_location.)
+        from torchtpu.serialization import rebuild_tpu_tensor
+
         rebuilt = (
-            torch._utils._rebuild_device_tensor_from_cpu_tensor,
+            rebuild_tpu_tensor,
             (self.detach().cpu(), self.dtype, str(self.device), self.requires_grad),
         )
         if getattr(self, "_is_param", False):
