@@ -23,6 +23,7 @@ __all__ = [
     "EagerMode",
     "Precision",
     "current_device",
+    "device",
     "device_count",
     "get_device_name",
     "get_device_properties",
@@ -39,6 +40,13 @@ __all__ = [
 ]
 
 _current_device = 0
+
+# torch reads this flag (as ``torch.cuda._initialized``) to decide whether a device's RNG
+# state is worth saving: ``torch.utils.checkpoint`` stashes the state only when it is
+# true, and then replays the forward's random ops (dropout masks) in the recomputation.
+# The tpu generator needs no initialisation (its state is two Python integers), so it
+# is always ready.
+_initialized = True
 
 
 # -- the device module (torch.tpu) ------------------------------------------------------------
@@ -74,6 +82,27 @@ def set_device(device) -> None:
     if not 0 <= index < device_count():
         raise RuntimeError(f"tpu:{index} does not exist: {device_count()} device(s) available")
     _current_device = index
+
+
+class device:
+    """Context manager that makes ``device`` the current tpu device, as
+    ``torch.cuda.device``: ``with torch.tpu.device(1): ...``. ``None`` or -1 change
+    nothing. (``torch.utils.checkpoint`` enters it to read each device's RNG state.)"""
+
+    def __init__(self, device):
+        self.idx = -1 if device is None else _index(device)
+        self.prev_idx = -1
+
+    def __enter__(self):
+        self.prev_idx = _current_device
+        if self.idx not in (-1, self.prev_idx):
+            set_device(self.idx)
+        return self
+
+    def __exit__(self, *exc_info) -> bool:
+        if self.idx not in (-1, self.prev_idx):
+            set_device(self.prev_idx)
+        return False
 
 
 def _index(device) -> int:
