@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 import types
 
 import torch
@@ -39,7 +40,9 @@ __all__ = [
     "synchronize",
 ]
 
-_current_device = 0
+# The current device, per thread as CUDA's (``torch.cuda.set_device`` is per host
+# thread): a thread starts on tpu:0.
+_thread = threading.local()
 
 # torch reads this flag (as ``torch.cuda._initialized``) to decide whether a device's RNG
 # state is worth saving: ``torch.utils.checkpoint`` stashes the state only when it is
@@ -73,15 +76,69 @@ def device_count() -> int:
 
 
 def current_device() -> int:
-    return _current_device
+    return getattr(_thread, "index", 0)
 
 
 def set_device(device) -> None:
-    global _current_device
     index = _index(device)
     if not 0 <= index < device_count():
         raise RuntimeError(f"tpu:{index} does not exist: {device_count()} device(s) available")
-    _current_device = index
+    _thread.index = index
+    _resolve_tpu_on_current_device(index != 0)
+
+
+# torch fills in the index of a bare "tpu" itself in ``Tensor.to`` (so also
+# ``Module.to``) and in ``torch.tensor``-like constructors, from the device guard's
+# ``getDevice()``. torch 2.13's Python device guard (``torch._C._acc.DeviceGuard``,
+# torch/csrc/acc/Module.cpp) lets Python override only ``type_``: its ``getDevice()``
+# always answers index 0 (and ``setDevice`` does nothing, ``deviceCount()`` is 1). So
+# while the current device is not 0, a torch-function mode gives those calls the
+# index before torch does, as ``torch.set_default_device`` does for factories.
+# (Factories such as ``torch.zeros(device="tpu")`` reach the kernels in this module
+# with no index and need no help.)
+_INDEX_FILLED_BY_TORCH = frozenset(
+    {
+        torch.Tensor.to,
+        torch.Tensor.new_tensor,
+        torch.tensor,
+        torch.as_tensor,
+        torch.asarray,
+    }
+)
+
+
+def _with_current_index(value):
+    if type(value) is str and value == "tpu":
+        return torch.device("tpu", current_device())
+    if type(value) is torch.device and value.type == "tpu" and value.index is None:
+        return torch.device("tpu", current_device())
+    return value
+
+
+class _CurrentTPUDevice(torch.overrides.TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _INDEX_FILLED_BY_TORCH:
+            args = tuple(_with_current_index(a) for a in args)
+            kwargs = {k: _with_current_index(v) for k, v in kwargs.items()}
+        return func(*args, **kwargs)
+
+
+def _resolve_tpu_on_current_device(active: bool) -> None:
+    """Put the mode at the bottom of this thread's torch-function mode stack, or take it
+    out. (At the bottom, as torch's DeviceContext: modes the user enters later stay
+    above it, and leaving them does not remove it.)"""
+    from torch.overrides import _len_torch_function_stack, _pop_mode, _push_mode
+
+    if active == getattr(_thread, "mode", False):
+        return
+    stack = [_pop_mode() for _ in range(_len_torch_function_stack())]
+    if active:
+        _push_mode(_CurrentTPUDevice())
+    for mode in reversed(stack):
+        if not isinstance(mode, _CurrentTPUDevice):
+            _push_mode(mode)
+    _thread.mode = active
 
 
 class device:
@@ -94,7 +151,7 @@ class device:
         self.prev_idx = -1
 
     def __enter__(self):
-        self.prev_idx = _current_device
+        self.prev_idx = current_device()
         if self.idx not in (-1, self.prev_idx):
             set_device(self.idx)
         return self
@@ -107,13 +164,13 @@ class device:
 
 def _index(device) -> int:
     if device is None:
-        return _current_device
+        return current_device()
     if isinstance(device, int):
         return device
     device = torch.device(device)
     if device.type != "tpu":
         raise ValueError(f"expected a tpu device, got {device}")
-    return device.index if device.index is not None else _current_device
+    return device.index if device.index is not None else current_device()
 
 
 def synchronize(device=None) -> None:
@@ -154,7 +211,7 @@ def get_device_properties(device=None) -> _DeviceProperties:
 
 
 def manual_seed(seed) -> None:
-    rng.manual_seed(seed, _current_device)
+    rng.manual_seed(seed, current_device())
 
 
 def manual_seed_all(seed) -> None:
@@ -176,7 +233,7 @@ def _random_seed() -> int:
 
 
 def initial_seed() -> int:
-    return rng.initial_seed(_current_device)
+    return rng.initial_seed(current_device())
 
 
 def get_rng_state(device="tpu") -> torch.Tensor:
