@@ -205,15 +205,6 @@ def ok(results, name):
     return value
 
 
-# Known failures, each with its cause.
-_GUARD_INDEX_0 = (
-    "torch's Python-backend DeviceGuard (torch/csrc/acc/Module.cpp, torch 2.13) always reports "
-    "device index 0 and a device count of 1, and only `type_` can be overridden from Python"
-)
-_TENSOR_ON_0 = pytest.mark.xfail(
-    reason=f"{_GUARD_INDEX_0}: torch.tensor(device='tpu') resolves 'tpu' to tpu:0", strict=True
-)
-
 COMPUTED = ["zeros", "full", "arange", "eye", "tensor", "zeros_like"]
 FILLED = ["randn", "randint", "empty_fill_", "empty"]
 
@@ -280,12 +271,7 @@ def test_bad_device_index(results):
         assert "tpu:2" in message
 
 
-@pytest.mark.parametrize(
-    "name",
-    [pytest.param(n, marks=_TENSOR_ON_0) if n == "tensor" else n for n in COMPUTED]
-    + FILLED
-    + ["device_context"],
-)
+@pytest.mark.parametrize("name", COMPUTED + FILLED + ["device_context"])
 def test_set_device_makes_tpu_mean_that_device(results, name):
     current, made = ok(results, "set_device_factories")
     assert current == 1
@@ -296,16 +282,9 @@ def test_set_device_back(results):
     assert ok(results, "set_device_back_to_0") == [0, "tpu:0"]
 
 
-@pytest.mark.xfail(
-    reason=f"{_GUARD_INDEX_0}: Tensor.to('tpu') resolves 'tpu' to tpu:0", strict=True
-)
 def test_set_device_applies_to_to(results):
     assert ok(results, "set_device_to") == ["tpu:1", [1]]
 
 
-@pytest.mark.xfail(
-    reason=f"{_GUARD_INDEX_0}: autograd's engine has one ready queue and asserts on tpu:1",
-    strict=True,
-)
 def test_backward_on_device_1(results):
     assert ok(results, "backward_on_1") == ["tpu:1", [1], [2.0, 2.0, 2.0]]

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 import types
 
 import torch
 
-from torchtpu import autocast, dtypes, rng, runtime
+from torchtpu import autocast, dtypes, pinned, rng, runtime, serialization
 from torchtpu.dispatch import modes
 from torchtpu.dispatch.modes import EagerMode, set_eager_mode
 from torchtpu.matmul_precision import Precision, precision
@@ -24,6 +25,7 @@ __all__ = [
     "EagerMode",
     "Precision",
     "current_device",
+    "device",
     "device_count",
     "get_device_name",
     "get_device_properties",
@@ -38,6 +40,17 @@ __all__ = [
     "set_rng_state",
     "synchronize",
 ]
+
+# This thread's torch-function mode state (see `_resolve_tpu_on_current_device`). The
+# current device itself is per thread too, held by the runtime (runtime/backend.py).
+_thread = threading.local()
+
+# torch reads this flag (as ``torch.cuda._initialized``) to decide whether a device's RNG
+# state is worth saving: ``torch.utils.checkpoint`` stashes the state only when it is
+# true, and then replays the forward's random ops (dropout masks) in the recomputation.
+# The tpu generator needs no initialisation (its state is two Python integers), so it
+# is always ready.
+_initialized = True
 
 
 # -- the device module (torch.tpu) ------------------------------------------------------------
@@ -72,17 +85,93 @@ def set_device(device) -> None:
     if not 0 <= index < device_count():
         raise RuntimeError(f"tpu:{index} does not exist: {device_count()} device(s) available")
     runtime.set_current_index(index)
+    _resolve_tpu_on_current_device(index != 0)
+
+
+# torch fills in the index of a bare "tpu" itself in ``Tensor.to`` (so also
+# ``Module.to``) and in ``torch.tensor``-like constructors, from the device guard's
+# ``getDevice()``. torch 2.13's Python device guard (``torch._C._acc.DeviceGuard``,
+# torch/csrc/acc/Module.cpp) lets Python override only ``type_``: its ``getDevice()``
+# always answers index 0 (and ``setDevice`` does nothing, ``deviceCount()`` is 1). So
+# while the current device is not 0, a torch-function mode gives those calls the
+# index before torch does, as ``torch.set_default_device`` does for factories.
+# (Factories such as ``torch.zeros(device="tpu")`` reach the kernels in this module
+# with no index and need no help.)
+_INDEX_FILLED_BY_TORCH = frozenset(
+    {
+        torch.Tensor.to,
+        torch.Tensor.new_tensor,
+        torch.tensor,
+        torch.as_tensor,
+        torch.asarray,
+    }
+)
+
+
+def _with_current_index(value):
+    if type(value) is str and value == "tpu":
+        return torch.device("tpu", current_device())
+    if type(value) is torch.device and value.type == "tpu" and value.index is None:
+        return torch.device("tpu", current_device())
+    return value
+
+
+class _CurrentTPUDevice(torch.overrides.TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _INDEX_FILLED_BY_TORCH:
+            args = tuple(_with_current_index(a) for a in args)
+            kwargs = {k: _with_current_index(v) for k, v in kwargs.items()}
+        return func(*args, **kwargs)
+
+
+def _resolve_tpu_on_current_device(active: bool) -> None:
+    """Put the mode at the bottom of this thread's torch-function mode stack, or take it
+    out. (At the bottom, as torch's DeviceContext: modes the user enters later stay
+    above it, and leaving them does not remove it.)"""
+    from torch.overrides import _len_torch_function_stack, _pop_mode, _push_mode
+
+    if active == getattr(_thread, "mode", False):
+        return
+    stack = [_pop_mode() for _ in range(_len_torch_function_stack())]
+    if active:
+        _push_mode(_CurrentTPUDevice())
+    for mode in reversed(stack):
+        if not isinstance(mode, _CurrentTPUDevice):
+            _push_mode(mode)
+    _thread.mode = active
+
+
+class device:
+    """Context manager that makes ``device`` the current tpu device, as
+    ``torch.cuda.device``: ``with torch.tpu.device(1): ...``. ``None`` or -1 change
+    nothing. (``torch.utils.checkpoint`` enters it to read each device's RNG state.)"""
+
+    def __init__(self, device):
+        self.idx = -1 if device is None else _index(device)
+        self.prev_idx = -1
+
+    def __enter__(self):
+        self.prev_idx = current_device()
+        if self.idx not in (-1, self.prev_idx):
+            set_device(self.idx)
+        return self
+
+    def __exit__(self, *exc_info) -> bool:
+        if self.idx not in (-1, self.prev_idx):
+            set_device(self.prev_idx)
+        return False
 
 
 def _index(device) -> int:
     if device is None:
-        return runtime.current_index()
+        return current_device()
     if isinstance(device, int):
         return device
     device = torch.device(device)
     if device.type != "tpu":
         raise ValueError(f"expected a tpu device, got {device}")
-    return device.index if device.index is not None else runtime.current_index()
+    return device.index if device.index is not None else current_device()
 
 
 def synchronize(device=None) -> None:
@@ -123,7 +212,7 @@ def get_device_properties(device=None) -> _DeviceProperties:
 
 
 def manual_seed(seed) -> None:
-    rng.manual_seed(seed, runtime.current_index())
+    rng.manual_seed(seed, current_device())
 
 
 def manual_seed_all(seed) -> None:
@@ -145,7 +234,7 @@ def _random_seed() -> int:
 
 
 def initial_seed() -> int:
-    return rng.initial_seed(runtime.current_index())
+    return rng.initial_seed(current_device())
 
 
 def get_rng_state(device="tpu") -> torch.Tensor:
@@ -302,4 +391,6 @@ def register() -> None:
         packet, _, overload = name.partition(".")
         op = getattr(getattr(torch.ops.aten, packet), overload or "default")
         _library.impl(name, _factory_kernel(op), "PrivateUse1")
+    pinned.register(_library)
+    serialization.register()
     autocast.register()

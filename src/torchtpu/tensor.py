@@ -88,6 +88,8 @@ class TPUTensor(torch.Tensor):
         t._storage = storage
         t._chain = chain
         t._meta = (shape, strides, offset, dtype, chain)
+        if storage.device_index and torch._C._is_multithreading_enabled():
+            _backward_on_calling_thread()
         return t
 
     __torch_function__ = torch._C._disabled_torch_function_impl
@@ -197,13 +199,33 @@ class TPUTensor(torch.Tensor):
 
     def __reduce_ex__(self, protocol):
         # Save the values, not the Storage object: a loaded tensor is a fresh tpu tensor.
+        # (Rebuilt by torchtpu's function rather than torch's
+        # _rebuild_device_tensor_from_cpu_tensor, which refuses a callable map_location.)
+        from torchtpu.serialization import rebuild_tpu_tensor
+
         rebuilt = (
-            torch._utils._rebuild_device_tensor_from_cpu_tensor,
+            rebuild_tpu_tensor,
             (self.detach().cpu(), self.dtype, str(self.device), self.requires_grad),
         )
         if getattr(self, "_is_param", False):
             return (torch._utils._rebuild_parameter, (_Reduced(rebuilt), self.requires_grad, {}))
         return rebuilt
+
+
+def _backward_on_calling_thread() -> None:
+    """Run this thread's backward passes on the thread itself, not on autograd's
+    device threads (``torch.autograd.set_multithreading_enabled(False)``).
+
+    autograd's engine keeps one ready queue per index of a device type, as many as the
+    device guard's ``deviceCount()`` says; torch 2.13's Python device guard
+    (``torch._C._acc.DeviceGuard``) cannot override it and answers 1, so the gradient
+    of a tpu:1 tensor would hit an internal assert (``device_ready_queues_``). With
+    multithreading off the engine uses the calling thread's queue for every device.
+    Turned off the first time a thread makes a tensor on tpu:1 or above (``backward()``
+    itself makes its seed gradient ``ones_like`` on the calling thread, so that thread
+    is covered), leaving programs on tpu:0 alone.
+    """
+    torch._C._set_multithreading_enabled(False)
 
 
 # Whether a traced wrapper was ever made: until then no op needs to look for one.

@@ -206,8 +206,9 @@ def _no_op_false(func, args, kwargs):
     return False
 
 
-def _identity(func, args, kwargs):
-    return args[0]
+def _cannot_pin(func, args, kwargs):
+    # As for a CUDA tensor: only host memory can be pinned.
+    raise RuntimeError(f"cannot pin '{args[0].type()}' only dense CPU tensors can be pinned")
 
 
 def _set_source_tensor(func, args, kwargs):
@@ -252,7 +253,7 @@ SPECIAL = {
     aten.empty.memory_format: _allocate,
     aten.resize_.default: _resize_,
     aten.is_pinned.default: _no_op_false,
-    aten._pin_memory.default: _identity,
+    aten._pin_memory.default: _cannot_pin,
     aten.record_stream.default: lambda func, args, kwargs: None,
     aten.set_.source_Tensor: _set_source_tensor,
     aten.as_strided_scatter.default: _as_strided_scatter,

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import functools
+import threading
 
 from torchtpu import config
 
@@ -36,23 +37,23 @@ def devices() -> tuple:
 
 
 # The index of the current device (``torch.tpu.set_device``): where ``"tpu"`` without
-# an index puts a tensor.
-_current_index = 0
+# an index puts a tensor. Per thread, as CUDA's (``torch.cuda.set_device`` is per host
+# thread): a thread starts on tpu:0.
+_current = threading.local()
 
 
 def current_index() -> int:
-    return _current_index
+    return getattr(_current, "index", 0)
 
 
 def set_current_index(index: int) -> None:
-    global _current_index
-    _current_index = index
+    _current.index = index
 
 
 def device(index: int | None):
     """The JAX device behind ``tpu:index`` (index None means the current device)."""
     if index is None:
-        index = _current_index
+        index = current_index()
     devs = devices()
     if not 0 <= index < len(devs):
         raise RuntimeError(

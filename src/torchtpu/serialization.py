@@ -1,0 +1,109 @@
+"""``torch.save`` / ``torch.load`` of tpu tensors, and ``torch.load(map_location=...)``.
+
+A tpu tensor has no torch storage (its data is a JAX array), and torch cannot make a
+storage on the tpu device either: ``torch.UntypedStorage(n, device="tpu")`` has no
+allocator to call. torch's loader, though, restores every saved *storage* first
+(``map_location`` names where) and only then builds tensors on them. So:
+
+- Saving: a tpu tensor pickles as its values on the CPU and a call of
+  `rebuild_tpu_tensor` (``TPUTensor.__reduce_ex__``). That function applies
+  ``map_location`` itself, including a callable one, which torch's own
+  ``_rebuild_device_tensor_from_cpu_tensor`` refuses.
+- Loading a CPU storage to tpu (``map_location="tpu"``, ``torch.device("tpu")``,
+  ``{"cpu": "tpu"}``, a callable returning None for a tpu location): the storage
+  deserializer registered here keeps the storage on the CPU and marks it with the
+  tpu device it is meant for; torch's ``_rebuild_tensor`` is wrapped so that a tensor
+  built on a marked storage moves there. (torch offers no hook between restoring a
+  storage and building the tensor on it; the wrapper changes nothing for any other
+  storage.) Each loaded tensor is its own tpu tensor: tensors that shared a storage in
+  the file do not alias after loading, as tpu tensors saved from the device never do.
+
+Nothing here imports JAX.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+# Attribute of a restored CPU storage naming the tpu device its tensors belong on.
+_TARGET = "_torchtpu_load_to"
+
+_TPU_LOCATION = re.compile(r"tpu(:[0-9]+)?")
+
+
+def rebuild_tpu_tensor(data: torch.Tensor, dtype, location: str, requires_grad: bool):
+    """Unpickle a tensor saved from ``location`` (a tpu device) with values ``data``."""
+    map_location = torch.serialization._serialization_tls.map_location
+    if map_location is None:
+        target = location
+    elif isinstance(map_location, dict):
+        target = map_location.get(location, location)
+    elif isinstance(map_location, (str, bytes, torch.device)):
+        target = map_location.decode() if isinstance(map_location, bytes) else map_location
+    else:
+        # As torch calls it for a storage saved at ``location``: the result is the
+        # storage the tensor lives on, or None for the default (the saved device).
+        storage = map_location(data.untyped_storage(), location)
+        if isinstance(storage, torch.TypedStorage):
+            storage = storage._untyped_storage
+        if storage is None:
+            target = location
+        else:
+            tensor = torch.empty(0, dtype=data.dtype, device=storage.device).set_(
+                storage, data.storage_offset(), data.size(), data.stride()
+            )
+            tensor.requires_grad = requires_grad
+            return tensor
+    tensor = data.to(dtype=dtype, device=target)
+    tensor.requires_grad = requires_grad
+    return tensor
+
+
+def _tag(storage) -> None:
+    # Tensors are never saved with a tpu storage (see the module docstring).
+    return None
+
+
+def _deserialize(storage, location: str):
+    """Restore a saved storage whose (mapped) location is a tpu device."""
+    if not _TPU_LOCATION.fullmatch(location):
+        return None
+    target = torch.device(location)
+    if target.index is not None:
+        from torchtpu.runtime import devices
+
+        def device_count() -> int:
+            return len(devices())
+
+        if target.index >= device_count():
+            raise RuntimeError(
+                f"Attempting to deserialize object on TPU device {target.index} but "
+                f"torch.tpu.device_count() is {device_count()}. Please use torch.load with "
+                "map_location to map your storages to an existing device."
+            )
+    untyped = storage._untyped_storage if isinstance(storage, torch.TypedStorage) else storage
+    setattr(untyped, _TARGET, target)
+    return storage
+
+
+_torch_rebuild_tensor = None
+
+
+def _rebuild_tensor(storage, storage_offset, size, stride):
+    tensor = _torch_rebuild_tensor(storage, storage_offset, size, stride)
+    target = getattr(storage._untyped_storage, _TARGET, None)
+    return tensor if target is None else tensor.to(target)
+
+
+def register() -> None:
+    global _torch_rebuild_tensor
+    if _torch_rebuild_tensor is not None:
+        return
+    # Before torch's PrivateUse1 deserializer (priority 23), which would ask for a
+    # storage on the tpu device.
+    torch.serialization.register_package(19, _tag, _deserialize)
+    torch.serialization.add_safe_globals([rebuild_tpu_tensor])
+    _torch_rebuild_tensor = torch._utils._rebuild_tensor
+    torch._utils._rebuild_tensor = _rebuild_tensor

@@ -1,0 +1,418 @@
+"""Regression tests for issue 14: pinned memory, activation checkpointing with dropout,
+``torch.load(map_location=...)``, and several devices. Each compares with PyTorch on
+the CPU (or, where the CPU has no counterpart, with what CUDA does)."""
+
+from __future__ import annotations
+
+import gc
+import io
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from torch.utils.checkpoint import checkpoint
+
+import torchtpu
+
+# Subprocesses import this tree's torchtpu, whatever is installed.
+_SRC = os.path.dirname(os.path.dirname(torchtpu.__file__))
+
+
+def _run(script: str, **env_overrides) -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [_SRC, env.get("PYTHONPATH")]))
+    env.pop("TORCHTPU_EAGER_MODE", None)
+    env.update(env_overrides)
+    proc = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, f"the subprocess failed:\n{proc.stderr[-4000:]}"
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+# -- 1. pinned memory ------------------------------------------------------------------------
+
+
+def test_pin_memory_copies_and_is_pinned():
+    t = torch.arange(12.0).view(3, 4).t()  # not contiguous: strides are kept, as torch does
+    assert not t.is_pinned()
+    p = t.pin_memory()
+    assert p.is_pinned()
+    assert torch.equal(p, t) and p.stride() == t.stride() and p.dtype == t.dtype
+    assert p._base is None
+    assert p.data_ptr() != t.data_ptr()
+    assert p[1:].is_pinned()  # a view of pinned memory is pinned
+    assert p.pin_memory() is p  # already pinned: returned as is
+    assert not t.is_pinned()
+
+
+def test_pinned_memory_is_forgotten_when_freed():
+    from torchtpu import pinned
+
+    before = len(pinned._live)
+    p = torch.ones(1000).pin_memory()
+    assert len(pinned._live) == before + 1
+    del p
+    gc.collect()
+    assert len(pinned._live) == before
+
+
+@pytest.mark.parametrize("dtype", [torch.bool, torch.int64, torch.float16, torch.complex64])
+def test_pin_memory_dtypes(dtype):
+    t = torch.tensor([1, 0, 3]).to(dtype)
+    p = t.pin_memory()
+    assert p.is_pinned() and p.dtype == dtype and torch.equal(p, t)
+
+
+def test_pin_memory_keeps_autograd():
+    a = torch.randn(3, requires_grad=True)
+    (a.pin_memory() * 2).sum().backward()
+    assert torch.equal(a.grad, torch.full((3,), 2.0))
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_dataloader_pin_memory(num_workers):
+    data = torch.arange(24.0).view(12, 2)
+    dataset = torch.utils.data.TensorDataset(data, torch.arange(12))
+    loader = torch.utils.data.DataLoader(
+        dataset, batch_size=4, pin_memory=True, num_workers=num_workers
+    )
+    batches = list(loader)
+    expected = list(torch.utils.data.DataLoader(dataset, batch_size=4))
+    assert len(batches) == len(expected) == 3
+    for (x, y), (ex, ey) in zip(batches, expected):
+        assert x.is_pinned() and y.is_pinned()
+        assert torch.equal(x, ex) and torch.equal(y, ey)
+
+
+def test_non_blocking_copy_of_pinned_memory_to_tpu():
+    host = torch.arange(6.0).view(2, 3).pin_memory()
+    on_tpu = host.to("tpu", non_blocking=True)
+    assert on_tpu.device == torch.device("tpu", 0)
+    assert torch.equal(on_tpu.cpu(), host)
+    assert torch.equal(host.to(torch.device("tpu"), non_blocking=True).cpu(), host)
+
+
+# A CPU-only program as people write it: a DataLoader with pinning (in the main process
+# and with workers), torch.accelerator queries, AMP on the CPU, a few training steps.
+_CPU_PROGRAM = textwrap.dedent(
+    r"""
+    import json, sys, warnings
+    import torch
+
+    def main():
+        torch.manual_seed(0)
+        x = torch.randn(16, 4)
+        y = (x.sum(1, keepdim=True) > 0).float()
+        dataset = torch.utils.data.TensorDataset(x, y)
+        model = torch.nn.Sequential(
+            torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1)
+        )
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        accelerator = torch.accelerator.current_accelerator()
+        device = accelerator if accelerator is not None else torch.device("cpu")
+        losses, pinned = [], []
+        for workers in (0, 2):
+            loader = torch.utils.data.DataLoader(
+                dataset, batch_size=4, pin_memory=True, num_workers=workers
+            )
+            for xb, yb in loader:
+                pinned.append(xb.is_pinned())
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    pred = model(xb)
+                loss = torch.nn.functional.binary_cross_entropy_with_logits(pred.float(), yb)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                losses.append(loss.item())
+        results = {
+            "losses": losses,
+            "weights": [p.detach().tolist() for p in model.parameters()],
+            "autocast_dtype": str(pred.dtype),
+            # The DataLoaders drew their seeds from the CPU generator: as many draws.
+            "next_random": torch.rand(3).tolist(),
+        }
+        # Training on the CPU never starts JAX (a question about the hardware does).
+        jax_loaded = "jax" in sys.modules
+        accelerator_info = {
+            "available": torch.accelerator.is_available(),
+            "type": None if accelerator is None else accelerator.type,
+            "device_count": torch.accelerator.device_count(),
+            "pinned": pinned,
+        }
+        return results, accelerator_info, jax_loaded
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        results, accelerator_info, jax_loaded = main()
+    print(json.dumps({
+        "torchtpu_loaded": "torchtpu" in sys.modules,
+        "jax_loaded": jax_loaded,
+        "results": results,
+        "accelerator": accelerator_info,
+        "warnings": sorted({f"{w.category.__name__}: {w.message}" for w in caught}),
+    }))
+    """
+)
+
+_NO_ACCELERATOR_WARNING = (
+    "UserWarning: 'pin_memory' argument is set as true but no accelerator is found, "
+    "then device pinned memory won't be used."
+)
+
+
+def test_cpu_program_same_with_and_without_autoload():
+    plain = _run(_CPU_PROGRAM, TORCH_DEVICE_BACKEND_AUTOLOAD="0")
+    loaded = _run(_CPU_PROGRAM, TORCH_DEVICE_BACKEND_AUTOLOAD="1")
+    assert not plain["torchtpu_loaded"] and loaded["torchtpu_loaded"]
+    assert not loaded["jax_loaded"]
+    assert loaded["results"] == plain["results"]
+    # The one difference by design: with torchtpu there is an accelerator (tpu), so the
+    # DataLoader pins for it instead of warning that it cannot.
+    assert plain["accelerator"] == {
+        "available": False,
+        "type": None,
+        "device_count": 0,
+        "pinned": [False] * 8,
+    }
+    assert loaded["accelerator"] == {
+        "available": True,
+        "type": "tpu",
+        "device_count": 1,
+        "pinned": [True] * 8,
+    }
+    assert _NO_ACCELERATOR_WARNING in plain["warnings"]
+    assert loaded["warnings"] == [w for w in plain["warnings"] if w != _NO_ACCELERATOR_WARNING]
+
+
+# -- 2. activation checkpointing and the RNG --------------------------------------------------
+
+
+def _grads(device, use_checkpoint, use_reentrant=False):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(8, 16), torch.nn.Dropout(0.5), torch.nn.Linear(16, 4)
+    ).to(device)
+    # One sample: each unit dropout zeroes leaves a zero row in the first weight's grad.
+    x = torch.randn(1, 8).to(device).requires_grad_()
+    if use_checkpoint:
+        out = checkpoint(model, x, use_reentrant=use_reentrant)
+    else:
+        out = model(x)
+    out.sum().backward()
+    return [p.grad.cpu() for p in model.parameters()] + [x.grad.cpu()]
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+@pytest.mark.parametrize("device", ["cpu", "tpu"])
+def test_checkpoint_with_dropout_gives_the_same_gradients(device, use_reentrant):
+    plain = _grads(device, False)
+    checkpointed = _grads(device, True, use_reentrant)
+    for a, b in zip(plain, checkpointed):
+        torch.testing.assert_close(b, a, rtol=0, atol=0)
+    # Dropout really dropped something (else the test proves nothing).
+    assert (plain[0] == 0).all(dim=1).any()
+
+
+def test_fork_rng_restores_the_tpu_state():
+    torch.manual_seed(3)
+    before = torch.tpu.get_rng_state()
+    with torch.random.fork_rng(device_type="tpu"):
+        torch.rand(4, device="tpu")
+        assert not torch.equal(torch.tpu.get_rng_state(), before)
+    assert torch.equal(torch.tpu.get_rng_state(), before)
+    after_fork = torch.rand(4, device="tpu").cpu()
+    torch.manual_seed(3)
+    assert torch.equal(torch.rand(4, device="tpu").cpu(), after_fork)
+
+
+def test_device_module_has_what_checkpoint_uses():
+    assert torch.tpu._initialized
+    with torch.tpu.device(0) as ctx:
+        assert torch.tpu.current_device() == 0
+        state = torch.tpu.get_rng_state()
+    assert ctx.idx == 0
+    torch.tpu.set_rng_state(state, 0)
+    assert torch.equal(torch.tpu.get_rng_state(0), state)
+    with torch.tpu.device(None):
+        assert torch.tpu.current_device() == 0
+
+
+# -- 3. torch.load(map_location=...) ---------------------------------------------------------
+
+
+def _checkpoint_bytes(device):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    obj = {
+        "weight": model.weight.detach().to(device),
+        "param": torch.nn.Parameter(torch.arange(4.0).to(device)),
+        "int": torch.arange(5).to(device),
+        "view": torch.arange(6.0).to(device)[2:],
+    }
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue(), {k: v.detach().cpu() for k, v in obj.items()}
+
+
+_MAP_LOCATIONS = {
+    "none": (None, None),
+    "str_tpu": ("tpu", "tpu"),
+    "str_tpu0": ("tpu:0", "tpu"),
+    "device_tpu": (torch.device("tpu"), "tpu"),
+    "str_cpu": ("cpu", "cpu"),
+    "device_cpu": (torch.device("cpu"), "cpu"),
+    "cpu_to_tpu": ({"cpu": "tpu"}, {"cpu": "tpu", "tpu": "tpu"}),
+    "tpu_to_cpu": ({"tpu:0": "cpu"}, {"cpu": "cpu", "tpu": "cpu"}),
+    "identity": (lambda storage, location: storage, "cpu"),
+    "returns_none": (lambda storage, location: None, None),
+}
+
+
+@pytest.mark.parametrize("weights_only", [True, False])
+@pytest.mark.parametrize("name", list(_MAP_LOCATIONS))
+@pytest.mark.parametrize("saved_on", ["cpu", "tpu"])
+def test_load_with_map_location(saved_on, name, weights_only):
+    data, expected = _checkpoint_bytes(saved_on)
+    map_location, where = _MAP_LOCATIONS[name]
+    if where is None:  # the saved device
+        where = saved_on
+    elif isinstance(where, dict):
+        where = where[saved_on]
+    loaded = torch.load(io.BytesIO(data), map_location=map_location, weights_only=weights_only)
+    assert loaded.keys() == expected.keys()
+    for key, value in loaded.items():
+        assert value.device.type == where, key
+        assert value.dtype == expected[key].dtype
+        assert torch.equal(value.detach().cpu(), expected[key])
+    assert isinstance(loaded["param"], torch.nn.Parameter) and loaded["param"].requires_grad
+    assert not loaded["weight"].requires_grad
+
+
+def test_load_state_dict_to_tpu():
+    torch.manual_seed(0)
+    cpu_model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+    buffer = io.BytesIO()
+    torch.save(cpu_model.state_dict(), buffer)
+    buffer.seek(0)
+    state = torch.load(buffer, map_location="tpu")
+    assert {v.device.type for v in state.values()} == {"tpu"}
+    tpu_model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4)).to("tpu")
+    tpu_model.load_state_dict(state)
+    for (name, a), b in zip(tpu_model.state_dict().items(), cpu_model.state_dict().values()):
+        assert torch.equal(a.cpu(), b), name
+
+
+def test_load_to_missing_device_is_a_clear_error():
+    buffer = io.BytesIO()
+    torch.save(torch.ones(2), buffer)
+    buffer.seek(0)
+    with pytest.raises(RuntimeError, match=r"TPU device 7 but torch.tpu.device_count\(\) is"):
+        torch.load(buffer, map_location="tpu:7")
+
+
+# -- 4. several devices ----------------------------------------------------------------------
+
+_TWO_DEVICES = textwrap.dedent(
+    r"""
+    import json, threading
+    import torch
+    from torch.utils.checkpoint import checkpoint
+
+    out = {}
+    x = torch.ones(2, device="tpu:1", requires_grad=True)
+    (x * 2).sum().backward()
+    out["backward"] = [str(x.grad.device), x.grad.tolist()]
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(3, 4), torch.nn.Dropout(0.5), torch.nn.Linear(4, 1)
+    )
+    cpu_model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 1))
+    cpu_model[0].load_state_dict(model[0].state_dict())
+    cpu_model[1].load_state_dict(model[2].state_dict())
+    inputs = torch.randn(5, 3)
+    model.to("tpu:1").eval()
+    model(inputs.to("tpu:1")).sum().backward()
+    cpu_model(inputs).sum().backward()
+    out["train_grads_match_cpu"] = all(
+        torch.allclose(a.grad.cpu(), b.grad, atol=1e-5)
+        for a, b in zip([model[0].weight, model[2].weight], [cpu_model[0].weight, cpu_model[1].weight])
+    )
+    out["grad_device"] = str(model[0].weight.grad.device)
+
+    model.train()
+    xi = inputs.to("tpu:1").requires_grad_()
+    grads = []
+    for use in (False, True):
+        model.zero_grad()
+        torch.manual_seed(1)
+        y = checkpoint(model, xi, use_reentrant=True) if use else model(xi)
+        y.sum().backward()
+        grads.append([p.grad.cpu() for p in model.parameters()])
+    out["checkpoint_on_1"] = all(torch.equal(a, b) for a, b in zip(*grads))
+
+    torch.tpu.set_device(1)
+    c = torch.arange(3.0)
+    made = {
+        "to": c.to("tpu"),
+        "to_device": c.to(torch.device("tpu")),
+        "to_kw_dtype": c.to(device="tpu", dtype=torch.float16),
+        "tensor": torch.tensor([1.0, 2.0], device="tpu"),
+        "as_tensor": torch.as_tensor([1.0], device="tpu"),
+        "new_tensor": c.new_tensor([1.0], device="tpu"),
+        "zeros": torch.zeros(2, device="tpu"),
+        "module": torch.nn.Linear(2, 2).to("tpu").weight,
+        "explicit_0": c.to("tpu:0"),
+    }
+    out["after_set_device_1"] = {k: str(v.device) for k, v in made.items()}
+    seen = {}
+    thread = threading.Thread(
+        target=lambda: seen.update(index=torch.tpu.current_device(), to=str(c.to("tpu").device))
+    )
+    thread.start()
+    thread.join()
+    out["other_thread"] = seen
+    torch.tpu.set_device(0)
+    out["after_set_device_0"] = [str(c.to("tpu").device), str(torch.tensor([1.0], device="tpu").device)]
+    with torch.tpu.device(1):
+        inside = str(c.to("tpu").device)
+    out["device_context"] = [inside, str(c.to("tpu").device)]
+    print(json.dumps(out))
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def two_devices():
+    flags = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
+    return _run(_TWO_DEVICES, XLA_FLAGS=flags.strip())
+
+
+def test_backward_on_device_1(two_devices):
+    assert two_devices["backward"] == ["tpu:1", [2.0, 2.0]]
+    assert two_devices["train_grads_match_cpu"]
+    assert two_devices["grad_device"] == "tpu:1"
+    assert two_devices["checkpoint_on_1"]
+
+
+def test_set_device_applies_to_to_tensor_and_modules(two_devices):
+    assert two_devices["after_set_device_1"] == {
+        "to": "tpu:1",
+        "to_device": "tpu:1",
+        "to_kw_dtype": "tpu:1",
+        "tensor": "tpu:1",
+        "as_tensor": "tpu:1",
+        "new_tensor": "tpu:1",
+        "zeros": "tpu:1",
+        "module": "tpu:1",
+        "explicit_0": "tpu:0",
+    }
+    # As torch.cuda.set_device: the current device is per thread.
+    assert two_devices["other_thread"] == {"index": 0, "to": "tpu:0"}
+    assert two_devices["after_set_device_0"] == ["tpu:0", "tpu:0"]
+    assert two_devices["device_context"] == ["tpu:1", "tpu:0"]
