@@ -2,7 +2,7 @@
 
 An ``out=`` op (``torch.add(a, b, out=o)``) and an in-place op whose functional variant
 takes its arguments in another order (``polygamma_``) run as their functional variant
-followed by ``copy_`` (dispatch.py). Before that, `check` does what torch's kernels do
+followed by ``copy_`` (core.py). Before that, `check` does what torch's kernels do
 first: it runs the op's meta kernel on meta copies of the arguments, which raises
 torch's own error where a result cannot be cast to the tensor written, and gives the
 size an ``out=`` tensor of another shape is resized to (with torch's warning); and it

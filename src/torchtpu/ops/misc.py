@@ -194,7 +194,7 @@ def nonzero_static(self, size, fill_value=-1):
 
 @lowers(aten.resize.default)
 def resize(self, size, memory_format=None):
-    # The leading values in row-major order, as resize_ keeps them here (dispatch.py);
+    # The leading values in row-major order, as resize_ keeps them here (dispatch/special.py);
     # torch leaves new elements uninitialized: they are zeros.
     numel = math.prod(size)
     flat = self.reshape(-1)[:numel]
