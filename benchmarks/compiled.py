@@ -28,10 +28,10 @@ import torchtpu  # noqa: E402
 from benchmarks import quiet  # noqa: E402
 from benchmarks.eager_modes import (  # noqa: E402
     _us,
+    compare,
     jax_mlp_step_fn,
     jax_transformer_step_fn,
     mlp_step_fn,
-    timeit,
     transformer_step_fn,
 )
 
@@ -62,10 +62,11 @@ def main():
     )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name, (make_step, make_jax_step) in WORKLOADS.items():
-        times, first = {}, {}
-        for label, mode in (("Strict", "strict"), ("Defer", "defer")):
-            with torch.tpu.set_eager_mode(mode):
-                times[label] = timeit(make_step("eager"))
+        first = {}
+        contenders = {
+            "Strict": (make_step("eager"), "strict"),
+            "Defer": (make_step("eager"), "defer"),
+        }
         for how in ("compile", "jit"):
             torch._dynamo.reset()
             step = make_step(how)
@@ -74,13 +75,14 @@ def main():
             if how == "jit":
                 step()  # torchtpu.jit runs its first call eagerly and traces on the second
             first[how] = time.perf_counter() - start
-            times[how] = timeit(step)
+            contenders[how] = (step, "strict")
             if how == "compile":
                 # The compiled model with the optimizer step (plain torch code) fused by
                 # DeferAndFuse instead of run op by op.
-                with torch.tpu.set_eager_mode("defer"):
-                    times["compile+defer"] = timeit(step)
-        floor = timeit(make_jax_step())
+                contenders["compile+defer"] = (step, "defer")
+        contenders["jax.jit"] = (make_jax_step(), None)
+        times = compare(contenders)
+        floor = times["jax.jit"]
         print(
             f"| {name} | {_us(times['Strict'])} | {_us(times['Defer'])} | {_us(times['compile'])} "
             f"| {_us(times['compile+defer'])} | {_us(times['jit'])} | {_us(floor)} "

@@ -19,6 +19,7 @@ pinned to one thread (its 2-thread mode is erratic on a shared 2-core machine).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
 import statistics
@@ -49,20 +50,49 @@ REPEAT, MIN_TIME = (3, 0.1) if "--quick" in sys.argv else (7, 0.3)
 
 def timeit(fn, *, repeat=None, min_time=None):
     """Median seconds per call over ``repeat`` runs of at least ``min_time`` each."""
+    return compare({"fn": (fn, None)}, repeat=repeat, min_time=min_time)["fn"]
+
+
+class SelfTimed:
+    """A contender that returns the seconds of its call that count."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __call__(self):
+        return self.fn()
+
+
+def compare(contenders: dict, *, repeat=None, min_time=None) -> dict:
+    """Median seconds per call of each contender, ``{label: (fn, eager mode or None)}``.
+
+    The contenders' runs are interleaved (one run of each, ``repeat`` rounds), so a
+    slow spell of the machine costs all of them alike and ratios stay fair."""
     repeat, min_time = repeat or REPEAT, min_time or MIN_TIME
-    fn()
-    fn()
-    samples = []
-    for _ in range(repeat):
-        n, start = 0, time.perf_counter()
-        while True:
+    samples: dict = {label: [] for label in contenders}
+
+    def run(label):
+        fn, mode = contenders[label]
+        with torch.tpu.set_eager_mode(mode) if mode else contextlib.nullcontext():
+            n, counted, start = 0, 0.0, time.perf_counter()
+            while True:
+                measured = fn()
+                n += 1
+                elapsed = time.perf_counter() - start
+                if isinstance(fn, SelfTimed):
+                    counted += measured
+                if elapsed >= min_time:
+                    return (counted if isinstance(fn, SelfTimed) else elapsed) / n
+
+    for label in contenders:  # warm up: compile, fill caches
+        fn, mode = contenders[label]
+        with torch.tpu.set_eager_mode(mode) if mode else contextlib.nullcontext():
             fn()
-            n += 1
-            elapsed = time.perf_counter() - start
-            if elapsed >= min_time:
-                break
-        samples.append(elapsed / n)
-    return statistics.median(samples)
+            fn()
+    for _ in range(repeat):
+        for label in contenders:
+            samples[label].append(run(label))
+    return {label: statistics.median(times) for label, times in samples.items()}
 
 
 def chain(x):
@@ -274,28 +304,27 @@ def per_op():
             z = jadd(z, ja)
         z.block_until_ready()
 
+    @SelfTimed
     def record_only():
-        """Seconds to record CHAIN adds (their flush is not timed)."""
-        samples = []
-        with torch.tpu.set_eager_mode("defer"):
-            for _ in range(REPEAT * 3):
-                z, start = tpu, time.perf_counter()
-                for _ in range(CHAIN):
-                    z = z + tpu
-                samples.append(time.perf_counter() - start)
-                tpu_block(z)
-        return statistics.median(samples[2:])
+        """Record CHAIN adds, then flush them: only the recording counts."""
+        z, start = tpu, time.perf_counter()
+        for _ in range(CHAIN):
+            z = z + tpu
+        recorded = time.perf_counter() - start
+        tpu_block(z)
+        return recorded
 
     window = quiet.Window()
-    times = {
-        "torch CPU": timeit(chained(cpu, cpu, lambda z: None)),
-        "jax.jit": timeit(jax_run),
-        "floor": timeit(chained(floor, floor, lambda z: z.array.block_until_ready())),
-    }
-    for label, mode in MODES[:2]:
-        with torch.tpu.set_eager_mode(mode):
-            times[label] = timeit(chained(tpu, tpu, tpu_block))
-    times["Defer, recording"] = record_only()
+    times = compare(
+        {
+            "torch CPU": (chained(cpu, cpu, lambda z: None), None),
+            "jax.jit": (jax_run, None),
+            "floor": (chained(floor, floor, lambda z: z.array.block_until_ready()), None),
+            "Strict": (chained(tpu, tpu, tpu_block), "strict"),
+            "Debug": (chained(tpu, tpu, tpu_block), "debug"),
+            "Defer, recording": (record_only, "defer"),
+        }
+    )
     print(f"\n`{quiet.command()}`: one 64x64 add, each result feeding the next")
     print(f"({quiet.THRESHOLD} cores of others is the limit for a quiet run)\n")
     print("| per op | " + " | ".join(times) + " | Strict/floor | recording/floor |")
@@ -354,12 +383,10 @@ def side_by_side():
     print(header + " |   jax.jit | Strict/Defer | Defer/jit |")
     print("|" + "---|" * (len(MODES) + 5))
     for name, (cpu_fn, tpu_fn, jax_fn) in cases.items():
-        cpu = timeit(cpu_fn)
-        times = {}
-        for label, mode in MODES:
-            with torch.tpu.set_eager_mode(mode):
-                times[label] = timeit(tpu_fn)
-        floor = timeit(jax_fn)
+        contenders = {"torch CPU": (cpu_fn, None), "jax.jit": (jax_fn, None)}
+        contenders.update({label: (tpu_fn, mode) for label, mode in MODES})
+        times = compare(contenders)
+        cpu, floor = times["torch CPU"], times["jax.jit"]
         cells = " | ".join(_us(times[m]) for m, _ in MODES)
         print(
             f"| {name:<24} | {_us(cpu)} | {cells} | {_us(floor)} | "

@@ -114,3 +114,38 @@ def test_a_chunk_takes_each_external_array_once():
         y = x * x + x - x
         assert len(defer._queue.externals) == 1
         assert_same(y, torch.ones(4))
+
+
+def test_a_chunk_reuses_the_buffers_of_dead_inputs_but_never_of_live_ones():
+    """Note [Donating dead inputs]: the optimizer's old parameter arrays are donated."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 32)
+    batch = torch.randn(8, 64)
+    expected = []
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(3):
+        opt.zero_grad()
+        loss = model(batch).square().mean()
+        loss.backward()
+        opt.step()
+        expected.append(loss.item())
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 32).to("tpu")
+    batch = batch.to("tpu")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with torch.tpu.set_eager_mode("defer"):
+        first_weight = model.weight.detach().clone()  # a tensor of its own
+        before = first_weight.cpu()
+        held = torchtpu.dispatch.values.materialize(model.weight)
+        losses = []
+        for _ in range(3):
+            opt.zero_grad()
+            loss = model(batch).square().mean()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        donated = [key[2] for key in defer._CHUNKS if key[2]]
+        assert donated, "no chunk donated the old parameter arrays"
+        assert not held.is_deleted()  # an array the user holds is never donated
+        assert_same(first_weight, before)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected))

@@ -35,6 +35,7 @@ computed in float32 on the device instead of in Python floats (last-digit differ
 from __future__ import annotations
 
 import functools
+import sys
 import weakref
 
 import torch
@@ -72,11 +73,15 @@ class _Watch:
 
     def __init__(self):
         self.storages: dict[int, object] = {}
+        self.versions: dict[int, int] = {}  # each storage's version when first touched
 
     def __call__(self, args, kwargs) -> None:
         for leaf in pytree.tree_leaves((args, kwargs)):
             if type(leaf) is TPUTensor and leaf._inner is None:
-                self.storages.setdefault(id(leaf._storage), leaf._storage)
+                s = leaf._storage
+                if id(s) not in self.storages:
+                    self.storages[id(s)] = s
+                    self.versions[id(s)] = s.version
 
     def __enter__(self):
         dispatch.watchers.append(self)
@@ -144,11 +149,24 @@ class _Variant:
         )
 
 
+# Note [Donating the step's state]
+#     The state a step rebinds (parameters after the optimizer, its moment buffers, the
+#     new grads) is dead once the program has run: its storages take the outputs. So
+#     the program donates those inputs, and XLA writes the new values into their
+#     buffers instead of allocating new ones (on the CPU a fresh buffer of a few MB
+#     costs about as much as the step's arithmetic). Which state is donated is decided
+#     once, from the storages the first (eager) call wrote; each such storage takes the
+#     program's output even if a later trace leaves it unchanged. An array that someone
+#     else also holds (another storage, an array the user took) is copied first, so
+#     only the copy is given up.
+
+
 class StepFunction:
     def __init__(self, fn, static_argnums: tuple[int, ...]):
         self.fn = fn
         self.static_argnums = static_argnums
         self._state: list | None = None  # state storages, in program input order
+        self._donated: tuple = ()  # positions in _state: Note [Donating the step's state]
         self._variants: dict = {}  # argument signature -> [_Variant]
         functools.update_wrapper(self, fn)
 
@@ -200,7 +218,12 @@ class StepFunction:
             if variant is None:
                 variant = self._trace(signature, variants)
             state = list(self._state)
-            inputs = [materialize_storage(s) for s in state] + arg_arrays
+            inputs = [materialize_storage(s) for s in state]
+            for i in self._donated:
+                # Its storage, this list and getrefcount's argument: nobody else holds it.
+                if sys.getrefcount(inputs[i]) > 3:
+                    inputs[i] = jax().numpy.array(inputs[i], copy=True)
+            inputs += arg_arrays
             try:
                 outputs, _ = variant.program(signature, inputs)
             except _Rediscover:
@@ -226,11 +249,16 @@ class StepFunction:
             if isinstance(t, TPUTensor)
         }
         self._state = [s for key, s in watch.storages.items() if key not in own]
+        self._donated = tuple(
+            i for i, s in enumerate(self._state) if watch.versions[id(s)] != s.version
+        )
         return result
 
     def _trace(self, signature, variants: list) -> _Variant:
         variant = _Variant(None)
-        variant.program = Program(functools.partial(self._trace_step, variant), "step")
+        variant.program = Program(
+            functools.partial(self._trace_step, variant), "step", donate=self._donated
+        )
         variants.append(variant)
         perf_warnings.note_compile(
             f"torchtpu.jit({getattr(self.fn, '__qualname__', self.fn)})",
@@ -275,8 +303,11 @@ class StepFunction:
                 (weakref.ref(t), t._version) for t in tracing.active().cpu_scalars
             ]
             outputs, written = [], []
+            donated = set(self._donated)
             for i, (s, tracer) in enumerate(zip(state, arrays)):
-                if s.array is not tracer:
+                # A donated array's storage always takes the program's output, even
+                # when the step left it unchanged: its old buffer is gone.
+                if s.array is not tracer or i in donated:
                     written.append(i)
                     outputs.append(s.array)
             leaves, treedef = pytree.tree_flatten(result)

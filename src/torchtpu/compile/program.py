@@ -52,10 +52,14 @@ class _Traced(NamedTuple):
 
 
 class Program:
-    def __init__(self, trace_fn: Callable, kind: str):
+    def __init__(self, trace_fn: Callable, kind: str, donate: tuple = ()):
         self._trace_fn = trace_fn
         self.kind = kind  # "graph" (torch.compile) or "step" (torchtpu.jit), for metrics
-        self._jitted = jax().jit(self._traced, static_argnums=0)
+        # ``donate``: positions of the arrays whose buffers the program may reuse for
+        # its outputs (Note [Donating the step's state] in jit.py).
+        self._jitted = jax().jit(
+            self._traced, static_argnums=0, donate_argnums=tuple(3 + i for i in donate)
+        )
         self._signatures: dict = {}
         self._last: _Traced | None = None
 

@@ -11,6 +11,7 @@ from torchtpu.dispatch.meta import meta_tensor
 from torchtpu.dispatch.signature import hashable, plain
 from torchtpu.dispatch.values import OutMeta
 from torchtpu.observe.locations import name_op
+from torchtpu.ops import unsupported
 from torchtpu.storage import ViewStep
 from torchtpu.tensor import TPUTensor
 
@@ -62,7 +63,7 @@ def _plan_as_strided(op, x, static):
     (Note [Storage strides])."""
     s = x._storage
     if x.dtype != s.dtype:
-        raise NotImplementedError(f"{op}: as_strided of a tensor viewed as another dtype")
+        unsupported.refuse("as_strided: dtype view")
     size, stride, offset = static[0], static[1], static[2]
     if offset is None:
         offset = x.storage_offset()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from torchtpu import dtypes
+from torchtpu.ops import unsupported
 from torchtpu.ops.registry import aten, lowers
 
 _LOW_FLOATS = (jnp.float16, jnp.bfloat16)
@@ -99,7 +100,7 @@ def _grouped_mm(self, mat2, offs=None, bias=None, out_dtype=None, *, precision):
     stay static; positions past the last offset are 0 (torch leaves them unset).
     """
     if bias is not None:
-        raise NotImplementedError("torchtpu: _grouped_mm with bias is not supported")
+        unsupported.refuse("_grouped_mm: bias")
     # No meta kernel sizes this op for float32 (registered meta="skip"): the
     # lowering gives the result dtype itself.
     result_dtype = dtypes.to_jax(out_dtype) if out_dtype is not None else self.dtype

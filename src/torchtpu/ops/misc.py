@@ -10,6 +10,7 @@ import torch
 from jax import lax
 
 from torchtpu import dtypes
+from torchtpu.ops import unsupported
 from torchtpu.ops.registry import aten, lowers
 from torchtpu.ops.util import canonical_dim, cast, opmath_dtype
 from torchtpu.ops.value_checks import error_if
@@ -850,13 +851,9 @@ def _embedding_bag_backward(
     padding_idx=-1,
 ):
     if sparse:
-        raise NotImplementedError("_embedding_bag_backward: sparse gradients are not supported")
+        unsupported.refuse("_embedding_bag_backward: sparse")
     if scale_grad_by_freq:
-        # torch's CPU kernel does not divide each row by its own index's frequency
-        # (e.g. indices [0, 0, 1] halve row 1's gradient); rather than differ, refuse.
-        raise NotImplementedError(
-            "_embedding_bag_backward with scale_grad_by_freq=True is not supported on tpu"
-        )
+        unsupported.refuse("_embedding_bag_backward: scale_grad_by_freq")
     grad_weight = jnp.zeros((num_weights, grad.shape[1]), grad.dtype)
     if mode == _MAX:
         rows = jnp.where(maximum_indices < 0, num_weights, maximum_indices)

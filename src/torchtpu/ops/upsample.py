@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from torchtpu.ops import unsupported
 from torchtpu.ops.registry import aten, lowers
 from torchtpu.ops.util import opmath_dtype
 
@@ -227,8 +228,7 @@ def _antialias_weights(size_in, size_out, align_corners, scale, real):
 @lowers(aten._upsample_bilinear2d_aa.default)
 def _upsample_bilinear2d_aa(self, output_size, align_corners, scales_h=None, scales_w=None):
     if not jnp.issubdtype(self.dtype, jnp.floating):
-        # torch's uint8 kernel rounds fixed-point weights: not reproduced here.
-        raise NotImplementedError(f"_upsample_bilinear2d_aa of {self.dtype} on tpu")
+        unsupported.refuse("_upsample_bilinear2d_aa: integer input", f" (got {self.dtype})")
     compute = opmath_dtype(self.dtype)
     h_in, w_in = self.shape[-2:]
     real = np.float64 if compute == jnp.float64 else np.float32
