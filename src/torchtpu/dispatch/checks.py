@@ -66,3 +66,11 @@ def to_host(array):
 
     raise_pending()
     return transfer.to_host(array)
+
+
+def item(array):
+    """The Python number of a one-element ``array``, after the pending checks."""
+    from torchtpu.runtime import transfer
+
+    raise_pending()
+    return transfer.item(array)

@@ -23,6 +23,7 @@ Note [Live outputs]
 
 from __future__ import annotations
 
+import functools
 import sys
 import time
 import weakref
@@ -212,6 +213,12 @@ def flush(reason: str) -> None:
 _HELD_ONLY_BY_THE_QUEUE = 3
 
 
+@functools.cache
+def _array_type() -> type:
+    """The type of JAX's concrete arrays (``jax.Array`` is an abstract class)."""
+    return type(jax().numpy.zeros(()))
+
+
 def _donatable(externals: list, live_pendings: list) -> tuple:
     """Positions of the external arrays the chunk may reuse for its outputs.
 
@@ -231,12 +238,11 @@ def _donatable(externals: list, live_pendings: list) -> tuple:
         key = (p.shape, np.dtype(p.dtype))
         wanted[key] = wanted.get(key, 0) + 1
     donated = []
-    array, tracer = jax().Array, jax().core.Tracer
+    array = _array_type()
     for i in range(len(externals)):  # (enumerate's result tuple would hold a reference)
         a = externals[i]
         if (
-            isinstance(a, array)
-            and not isinstance(a, tracer)
+            type(a) is array
             and sys.getrefcount(a) <= _HELD_ONLY_BY_THE_QUEUE
             and wanted.get((a.shape, a.dtype), 0) > 0
         ):

@@ -12,7 +12,7 @@ import torch
 from torch.utils._pytree import tree_map
 
 from torchtpu import tensor as tensor_module
-from torchtpu.dispatch import plans, schema
+from torchtpu.dispatch import checks, plans, schema
 from torchtpu.dispatch.meta import on_meta
 from torchtpu.dispatch.values import (
     OutMeta,
@@ -112,7 +112,7 @@ def _copy_(func, args, kwargs):
 
 
 def _local_scalar_dense(func, args, kwargs):
-    return to_host(materialize(args[0])).item()
+    return checks.item(materialize(args[0]))
 
 
 def _allocate(func, args, kwargs):

@@ -12,21 +12,30 @@ _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
 _LIBRARY_DIRS = (_PACKAGE_DIR + os.sep, _TORCH_DIR + os.sep)
 
 
+# filename -> whether it belongs to torch, torchtpu or JAX. Asked for every frame of a
+# stack walk (a DeferAndFuse flush walks one), so each file is judged once.
+_LIBRARY_FILES: dict[str, bool] = {}
+
+
 def _is_library(filename: str) -> bool:
-    return (
-        filename.startswith(_LIBRARY_DIRS)
-        or "/site-packages/jax" in filename
-        or filename.startswith("<frozen")
-    )
+    known = _LIBRARY_FILES.get(filename)
+    if known is None:
+        path = filename if filename.startswith("<") else os.path.abspath(filename)
+        known = _LIBRARY_FILES[filename] = (
+            path.startswith(_LIBRARY_DIRS)
+            or "/site-packages/jax" in path
+            or path.startswith("<frozen")
+        )
+    return known
 
 
 def user_frame() -> str:
     """``file:line in function`` of the innermost caller outside torch, torchtpu and JAX."""
     frame = sys._getframe(1)
     while frame is not None:
-        filename = frame.f_code.co_filename
-        if not _is_library(os.path.abspath(filename) if not filename.startswith("<") else filename):
-            return f"{filename}:{frame.f_lineno} in {frame.f_code.co_name}"
+        code = frame.f_code
+        if not _is_library(code.co_filename):
+            return f"{code.co_filename}:{frame.f_lineno} in {code.co_name}"
         frame = frame.f_back
     return "<unknown>"
 
@@ -36,8 +45,7 @@ def user_stacklevel() -> int:
     frame = sys._getframe(2)
     level = 2
     while frame is not None:
-        filename = frame.f_code.co_filename
-        if not _is_library(os.path.abspath(filename) if not filename.startswith("<") else filename):
+        if not _is_library(frame.f_code.co_filename):
             return level
         frame = frame.f_back
         level += 1

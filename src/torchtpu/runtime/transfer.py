@@ -47,3 +47,13 @@ def to_host(array) -> torch.Tensor:
     host = torch.from_dlpack(array).clone()
     metrics.count("transfer_bytes", "to_host", host.numel() * host.element_size())
     return host
+
+
+def item(array):
+    """The Python number held by the one-element ``array`` (waits for it): as
+    ``to_host(array).item()``, without making a CPU tensor on the way."""
+    if tracing._active is not None and isinstance(array, jax().core.Tracer):
+        tracing.refuse("reading a tensor's values (.item(), .cpu(), print, bool(), ...)")
+    perf_warnings.note_read()
+    metrics.count("transfer_bytes", "to_host", array.dtype.itemsize)
+    return array.item()
