@@ -48,6 +48,8 @@ def parse_tables(text: str) -> dict[str, dict[str, float]]:
             continue
         if set("".join(cells)) <= set("-: ") or "jax.jit" not in header:
             continue
+        if header[0] == "per op":  # the cost of one op, not of a step
+            continue
         times = {name: parse_time(cell) for name, cell in zip(header[1:], cells[1:])}
         floor = times.get("jax.jit")
         if not floor:
