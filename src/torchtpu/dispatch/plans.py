@@ -43,7 +43,7 @@ _STRICT, _DEBUG, _DEFER = (
 
 
 class Entry:
-    """An op with the lowering that computes it: what `run` needs, computed once."""
+    """An op with the lowering that computes it: what its handler needs, computed once."""
 
     __slots__ = ("op", "lowering", "info", "rules")
 
@@ -100,12 +100,15 @@ def lowered_handler(entry: Entry):
         single = plan.single
         if plan.fast and not device:
             # The usual op: one new tensor, nothing written back, checked or drawn.
-            if mode is _DEFER:
-                value = record(plan, call.arrays + call.scalars, plan.avals, None)[0]
-            elif mode is _STRICT and plan.compiled and tracing._active is None:
-                value = plan.call(*call.arrays, *call.scalars)[single]
-            else:
-                value = None
+            try:
+                if mode is _DEFER:
+                    value = record(plan, call.arrays + call.scalars, plan.avals, None)[0]
+                elif mode is _STRICT and plan.compiled and tracing._active is None:
+                    value = plan.call(*call.arrays, *call.scalars)[single]
+                else:
+                    value = None
+            except Exception as exc:
+                raise add_context(exc, op, values) from None
             if value is not None:
                 out, meta = plan.fresh[single]
                 shape, strides, dtype = out
