@@ -50,6 +50,15 @@ def test_pin_memory_copies_and_is_pinned():
     assert not t.is_pinned()
 
 
+def test_a_tpu_tensor_cannot_be_pinned():
+    """Only host memory can be pinned: as for a CUDA tensor, pinning a device tensor
+    raises (it used to return the tensor itself, silently)."""
+    t = torch.ones(3, device="tpu")
+    assert not t.is_pinned()
+    with pytest.raises(RuntimeError, match="only dense CPU tensors can be pinned"):
+        t.pin_memory()
+
+
 def test_pinned_memory_is_forgotten_when_freed():
     from torchtpu import pinned
 

@@ -24,14 +24,13 @@ from torchtpu.dispatch.signature import Rules, describe_change, rules, scan
 from torchtpu.dispatch.values import (
     OutMeta,
     contiguous,
-    current_device,
     materialize,
     to_host,
     wrap,
 )
 from torchtpu.observe import metrics, perf_warnings
 from torchtpu.observe.locations import add_context, user_frame
-from torchtpu.runtime import jax
+from torchtpu.runtime import current_index, jax
 from torchtpu.storage import Storage
 from torchtpu.tensor import TPUTensor, tpu_device
 
@@ -70,12 +69,18 @@ def lowered_handler(entry: Entry):
     op_cache = metrics.counter("op_cache")
     plans, get_default_dtype, record = _PLANS, torch.get_default_dtype, defer.record
 
+    if lowering.dynamic_shape:
+
+        def dynamic_handler(func, args, kwargs):
+            ops_run[mode_value[modes._current or modes.current()]] += 1
+            defer.flush("data-dependent shape")
+            return _run_dynamic(entry, info.bind(args, kwargs))
+
+        return dynamic_handler
+
     def handler(func, args, kwargs):
         mode = modes._current or modes.current()
         ops_run[mode_value[mode]] += 1
-        if lowering.dynamic_shape:
-            defer.flush("data-dependent shape")
-            return _run_dynamic(entry, info.bind(args, kwargs))
         if mode is _DEFER and returns_numbers:
             defer.flush("value read")  # the op returns a Python number: run it now
             mode = _STRICT
@@ -276,8 +281,8 @@ def _factory_device(info: SchemaInfo, values) -> int:
             value = torch.device(value)
             if value.type != "tpu":
                 raise RuntimeError(f"{info.op}: expected a tpu device, got {value}")
-            return value.index if value.index is not None else current_device()
-    return current_device()
+            return value.index if value.index is not None else current_index()
+    return current_index()
 
 
 def _run_dynamic(entry: Entry, values: list):

@@ -16,7 +16,6 @@ from torchtpu.dispatch import checks, plans, schema
 from torchtpu.dispatch.meta import on_meta
 from torchtpu.dispatch.values import (
     OutMeta,
-    current_device,
     from_cpu,
     materialize,
     move,
@@ -25,6 +24,7 @@ from torchtpu.dispatch.values import (
 )
 from torchtpu.observe.locations import name_op
 from torchtpu.ops import TABLE
+from torchtpu.runtime import current_index
 from torchtpu.runtime.transfer import to_device
 from torchtpu.tensor import TPUTensor
 
@@ -76,7 +76,7 @@ def _to_copy(func, args, kwargs):
         return out
     if device is not None:
         target = torch.device(device)
-        index = target.index if target.index is not None else current_device()
+        index = target.index if target.index is not None else current_index()
         if index != x._storage.device_index:
             moved = move(x, index)
             kwargs = {k: v for k, v in kwargs.items() if k != "device"}
@@ -130,7 +130,7 @@ def _allocate(func, args, kwargs):
             return run_on_host(func, args, kwargs)
         device = explicit.index if explicit.index is not None else device
     meta = OutMeta(tuple(out.shape), tuple(out.stride()), out.dtype)
-    return wrap(None, meta, device if device is not None else current_device())
+    return wrap(None, meta, device if device is not None else current_index())
 
 
 def _resize_(func, args, kwargs):

@@ -17,7 +17,7 @@ from torchtpu.dispatch import defer
 from torchtpu.dispatch.checks import to_host
 from torchtpu.dispatch.pending import Pending
 from torchtpu.ops import view_chains
-from torchtpu.runtime import current_index, jax
+from torchtpu.runtime import jax
 from torchtpu.runtime.transfer import to_device
 from torchtpu.storage import Storage
 from torchtpu.tensor import TPUTensor
@@ -77,10 +77,6 @@ def move(x: TPUTensor, index: int) -> TPUTensor:
 
     array = jax().device_put(materialize(x), jax_device(index))
     return wrap(array, OutMeta(tuple(x.shape), contiguous(x.shape), x.dtype), index)
-
-
-def current_device() -> int:
-    return current_index()
 
 
 _READERS: dict = {}
