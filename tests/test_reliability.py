@@ -391,6 +391,18 @@ _TWO_DEVICES = textwrap.dedent(
     with torch.tpu.device(1):
         inside = str(c.to("tpu").device)
     out["device_context"] = [inside, str(c.to("tpu").device)]
+
+    from torchtpu.dispatch.values import materialize
+    with torch.tpu.set_eager_mode("defer"):
+        a, b = torch.ones(2).to("tpu:1"), torch.ones(2).to("tpu:0")
+        c, d = a * 2, b * 3  # queued on two devices
+        e = (c + 1).to("tpu:0") + d  # tpu:1's value feeds tpu:0's chunk
+        f = torch.zeros(2, device="tpu:1") + 5  # a chunk of factories only
+        values = [c, d, e, f]
+        out["defer_two_devices"] = [t.cpu().tolist() for t in values]
+        out["defer_devices"] = [
+            [str(t.device), next(iter(materialize(t).devices())).id] for t in values
+        ]
     print(json.dumps(out))
     """
 )
@@ -425,3 +437,219 @@ def test_set_device_applies_to_to_tensor_and_modules(two_devices):
     assert two_devices["other_thread"] == {"index": 0, "to": "tpu:0"}
     assert two_devices["after_set_device_0"] == ["tpu:0", "tpu:0"]
     assert two_devices["device_context"] == ["tpu:1", "tpu:0"]
+
+
+def test_defer_makes_a_chunk_per_device(two_devices):
+    # Each device's ops run as their own chunk, on that device.
+    assert two_devices["defer_two_devices"] == [[2.0, 2.0], [3.0, 3.0], [6.0, 6.0], [5.0, 5.0]]
+    assert two_devices["defer_devices"] == [["tpu:1", 1], ["tpu:0", 0], ["tpu:0", 0], ["tpu:1", 1]]
+
+
+# -- 6. CPU index tensors ---------------------------------------------------------------
+
+
+def _indexing_cases():
+    return {
+        "index": lambda a: a[torch.tensor([1, 0, 1])],
+        "mask": lambda a: a[torch.tensor([True, False, True])],
+        "mask 2-d": lambda a: a[a.cpu() > 2],
+        "two indices": lambda a: a[torch.tensor([0, 2]), torch.tensor([1, 3])],
+        "0-d index": lambda a: a[torch.tensor(1), torch.tensor([0, 3])],
+        "set index": lambda a: a.__setitem__(torch.tensor([0, 2]), 5.0) or a,
+        "set mask": lambda a: a.__setitem__(torch.tensor([False, True, True]), torch.tensor(7.0)) or a,
+        "index_put_ accumulate": lambda a: a.index_put_(
+            (torch.tensor([0, 0]),), torch.ones(4, device=a.device), accumulate=True
+        ),
+    }
+
+
+@pytest.mark.parametrize("case", list(_indexing_cases()))
+def test_cpu_indices_index_tpu_tensors(case):
+    # As CUDA: index and index_put_ take indices and masks on the CPU.
+    f = _indexing_cases()[case]
+    cpu = f(torch.arange(12.0).reshape(3, 4))
+    tpu = f(torch.arange(12.0).reshape(3, 4).to("tpu"))
+    assert tpu.device.type == "tpu"
+    torch.testing.assert_close(tpu.cpu(), cpu)
+
+
+def test_index_ops_taking_one_index_still_want_it_on_the_device():
+    # CUDA's index_select, gather, index_add_ refuse a CPU index: so does tpu.
+    a = torch.arange(6.0).reshape(2, 3).to("tpu")
+    with pytest.raises(RuntimeError, match="same device"):
+        a.index_select(1, torch.tensor([0]))
+
+
+@pytest.mark.parametrize("device", ["cpu", "tpu"])
+def test_mask_of_the_wrong_shape_raises(device):
+    with pytest.raises(IndexError, match=r"The shape of the mask \[1\] at index 0 does not match"):
+        torch.ones(5, 4, 3, device=device)[torch.tensor([True], device=device)]
+    with pytest.raises(IndexError, match=r"mask \[2\] at index 0 .* tensor \[5, 4, 3\] at index 1"):
+        torch.ones(5, 4, 3, device=device)[:, torch.tensor([True, False], device=device)]
+
+
+# -- 9. torch.Generator(device="tpu") ---------------------------------------------------------
+
+
+def _draws(generator, device="tpu"):
+    return [
+        torch.randn(3, device=device, generator=generator),
+        torch.empty(4, device=device).uniform_(generator=generator),
+        torch.randperm(6, device=device, generator=generator),
+        torch.multinomial(torch.ones(5, device=device), 3, generator=generator),
+        torch.bernoulli(torch.full((4,), 0.5, device=device), generator=generator),
+        torch.empty(3, device=device).exponential_(generator=generator),
+    ]
+
+
+@pytest.mark.parametrize("mode", ["strict", "defer"])
+def test_tpu_generator_is_reproducible(mode):
+    with torch.tpu.set_eager_mode(mode):
+        g = torch.Generator(device="tpu")
+        assert isinstance(g, torch.Generator) and g.device == torch.device("tpu:0")
+        assert g.manual_seed(7) is g and g.initial_seed() == 7
+        first = [t.cpu() for t in _draws(g)]
+        g.manual_seed(7)
+        again = [t.cpu() for t in _draws(g)]
+        assert all(torch.equal(a, b) for a, b in zip(first, again))
+        state = g.get_state()
+        after = [t.cpu() for t in _draws(g)]
+        g.set_state(state)
+        assert all(torch.equal(a, b.cpu()) for a, b in zip(after, _draws(g)))
+        assert not torch.equal(first[0], after[0])
+
+
+def test_tpu_generator_leaves_the_device_generator_alone():
+    torch.manual_seed(3)
+    plain = torch.randn(4, device="tpu").cpu()
+    torch.manual_seed(3)
+    g = torch.Generator("tpu").manual_seed(3)
+    torch.randn(4, device="tpu", generator=g)
+    assert torch.equal(torch.randn(4, device="tpu").cpu(), plain)
+    # Two generators with the same seed draw the same numbers; pickling keeps the state.
+    h = torch.Generator("tpu").manual_seed(3)
+    assert torch.equal(torch.randn(4, device="tpu", generator=h).cpu(), plain)
+    import pickle
+
+    copy = pickle.loads(pickle.dumps(h))
+    assert torch.equal(
+        torch.rand(3, device="tpu", generator=h).cpu(), torch.rand(3, device="tpu", generator=copy).cpu()
+    )
+
+
+def test_cpu_generators_are_unchanged():
+    assert type(torch.Generator()) is torch._C.Generator
+    assert isinstance(torch.default_generator, torch.Generator)
+    a = torch.randn(3, generator=torch.Generator().manual_seed(5))
+    b = torch.randn(3, generator=torch._C.Generator().manual_seed(5))
+    assert torch.equal(a, b)
+    with pytest.raises(RuntimeError, match="Expected a 'tpu' device type for generator but found 'cpu'"):
+        torch.randn(2, device="tpu", generator=torch.Generator())
+
+
+# -- 10. sparse gradients ---------------------------------------------------------------------
+
+
+@pytest.mark.allow_fallback  # the sparse result is refused by the CPU fallback, which counts it
+def test_sparse_embedding_gradient_is_a_clear_error_and_the_program_goes_on():
+    embedding = torch.nn.Embedding(10, 3, sparse=True).to("tpu")
+    embedding(torch.tensor([1, 2], device="tpu")).sum().backward()
+    with pytest.raises(NotImplementedError, match=r"sparse layouts \(torch.sparse_coo\) .* sparse=False"):
+        (torch.ones(2, device="tpu") * 2).cpu()
+    assert embedding.weight.grad is None
+    # The program is usable: the next ops and a dense embedding's backward work.
+    dense = torch.nn.Embedding(10, 3).to("tpu")
+    dense(torch.tensor([1, 1], device="tpu")).sum().backward()
+    assert dense.weight.grad.cpu()[1].tolist() == [2.0, 2.0, 2.0]
+
+
+# -- 11. DeferAndFuse chunk sizes ---------------------------------------------------------------
+
+
+def test_a_loop_without_reads_compiles_one_chunk_per_step():
+    torch.manual_seed(0)
+    cpu_model = torch.nn.Linear(8, 1)
+    model = torch.nn.Linear(8, 1).to("tpu")
+    model.load_state_dict(cpu_model.state_dict())
+    x, y = torch.randn(16, 8), torch.randn(16, 1)
+    results = []
+    for m, device in ((cpu_model, "cpu"), (model, "tpu")):
+        opt = torch.optim.Adam(m.parameters(), lr=0.01)
+        xd, yd = x.to(device), y.to(device)
+        total = torch.zeros((), device=device)
+        with torch.tpu.set_eager_mode("defer" if device == "tpu" else "strict"):
+            torchtpu.reset_metrics()
+            for _ in range(30):
+                opt.zero_grad()
+                loss = ((m(xd) - yd) ** 2).mean()
+                loss.backward()
+                opt.step()
+                total += loss.detach()
+            results.append(total.item())
+    torch.testing.assert_close(results[1], results[0], rtol=1e-5, atol=1e-5)
+    metrics = torchtpu.metrics()
+    assert metrics["flushes"] == {"optimizer step": 30, "value read": 1}
+    # Step 1 (no total yet), step 2 (Adam's state is new), then one cached chunk.
+    assert metrics["compiles"]["chunk"] <= 4
+
+
+def test_a_full_queue_is_cut_where_the_loop_repeats(monkeypatch):
+    monkeypatch.setattr(torchtpu.config, "defer_max_ops", 64)
+    w, h = torch.randn(8, 8), torch.randn(4, 8)
+    expected = h
+    for _ in range(300):
+        expected = torch.tanh(expected @ w) + 0.5 * expected
+    with torch.tpu.set_eager_mode("defer"):
+        torchtpu.reset_metrics()
+        wt, ht = w.to("tpu"), h.to("tpu")
+        for _ in range(300):  # 4 ops per iteration, never a read
+            ht = torch.tanh(ht @ wt) + 0.5 * ht
+        torch.testing.assert_close(ht.cpu(), expected, rtol=1e-4, atol=1e-5)
+    metrics = torchtpu.metrics()
+    assert metrics["flushes"]["queue full"] >= 15
+    # Every full chunk holds whole iterations and starts where the next does.
+    assert metrics["compiles"]["chunk"] <= 3
+
+
+# -- 12. threads ------------------------------------------------------------------------------
+
+
+def test_threads_running_their_own_models_in_defer_mode():
+    import threading
+
+    torch.manual_seed(0)
+    models = [torch.nn.Sequential(torch.nn.Linear(6, 6), torch.nn.Tanh()) for _ in range(2)]
+    inputs = [torch.randn(3, 6) for _ in range(2)]
+    expected = [m(x).sum() * 4 for m, x in zip(models, inputs)]
+    results, errors = {}, []
+
+    def run(i, model):
+        try:
+            x = inputs[i].to("tpu")
+            total = sum(model(x).sum() for _ in range(4))
+            results[i] = total.item()
+        except Exception as exc:  # reported below, with the thread's traceback
+            errors.append(exc)
+
+    with torch.tpu.set_eager_mode("defer"):
+        tpu_models = [m.to("tpu") for m in models]
+        for _ in range(3):
+            threads = [threading.Thread(target=run, args=(i, m)) for i, m in enumerate(tpu_models)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            assert not errors, errors
+            for i in range(2):
+                torch.testing.assert_close(results[i], expected[i].item(), rtol=1e-5, atol=1e-5)
+
+
+def test_a_thread_reads_a_value_another_thread_queued():
+    import threading
+
+    with torch.tpu.set_eager_mode("defer"):
+        made = {}
+        thread = threading.Thread(target=lambda: made.update(t=torch.arange(4.0, device="tpu") * 3))
+        thread.start()
+        thread.join()
+        assert (made["t"] + 1).cpu().tolist() == [1.0, 4.0, 7.0, 10.0]

@@ -69,8 +69,13 @@ compile_cache_min_seconds: float = float(os.environ.get("TORCHTPU_COMPILE_CACHE_
 compile_cache_max_bytes: int = int(os.environ.get("TORCHTPU_COMPILE_CACHE_MAX_BYTES", "-1"))
 
 #: DeferAndFuse flushes when this many ops are queued (a bound on a chunk's size and
-#: on compile time), even without a read of values.
-defer_max_ops: int = int(os.environ.get("TORCHTPU_DEFER_MAX_OPS", "2048"))
+#: on compile time, which grows faster than the size), even without a read of values.
+#: It also flushes at the end of every ``optimizer.step()``.
+defer_max_ops: int = int(os.environ.get("TORCHTPU_DEFER_MAX_OPS", "512"))
+
+#: Warn when compiling DeferAndFuse chunks has taken this many seconds and more than
+#: half of the time since the first compiled (perf_warnings.py).
+compile_warn_seconds: float = float(os.environ.get("TORCHTPU_COMPILE_WARN_SECONDS", "10"))
 
 #: Warn (once per user line) when a line has compiled this many programs, or has
 #: flushed the DeferAndFuse queue this many times (perf_warnings.py).

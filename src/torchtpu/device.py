@@ -392,5 +392,6 @@ def register() -> None:
         op = getattr(getattr(torch.ops.aten, packet), overload or "default")
         _library.impl(name, _factory_kernel(op), "PrivateUse1")
     pinned.register(_library)
+    torch.Generator = rng.Generator
     serialization.register()
     autocast.register()

@@ -89,7 +89,7 @@ class TPUTensor(torch.Tensor):
         t._chain = chain
         t._meta = (shape, strides, offset, dtype, chain)
         if storage.device_index and torch._C._is_multithreading_enabled():
-            _backward_on_calling_thread()
+            backward_on_calling_thread()
         return t
 
     __torch_function__ = torch._C._disabled_torch_function_impl
@@ -212,7 +212,7 @@ class TPUTensor(torch.Tensor):
         return rebuilt
 
 
-def _backward_on_calling_thread() -> None:
+def backward_on_calling_thread() -> None:
     """Run this thread's backward passes on the thread itself, not on autograd's
     device threads (``torch.autograd.set_multithreading_enabled(False)``).
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from torchtpu import rng
 from torchtpu import tensor as tensor_module
 from torchtpu.dispatch import backward_errors, out_tensors, plans, schema
 from torchtpu.dispatch.fallback import run_on_cpu
@@ -61,7 +62,7 @@ def _handler(func):
     """`_choose`'s handler, wrapped for what the op's lowering asks at registration."""
     handler = _choose(func)
     lowering = TABLE.get(func) or TABLE.get(schema.functional_variant(func))
-    if lowering is not None and lowering.boolean_indices:
+    if lowering is not None and lowering.index_list:
         handler = _integer_indices(handler)
     if func in _BATCH_NORM_TRAINING_ARG:
         handler = _empty_stats_in_eval(handler, func)
@@ -69,7 +70,31 @@ def _handler(func):
         handler = _factor_as_laid_out(handler)
     if func not in SPECIAL and any(a.name == "device" for a in func._schema.arguments):
         handler = _on_host_when_asked(handler)
+    names = [a.name for a in func._schema.arguments]
+    if "generator" in names:
+        handler = _from_generator(handler, names.index("generator"))
     return handler
+
+
+def _from_generator(handler, position: int):
+    """Random ops given ``generator=torch.Generator(device="tpu")`` draw from it
+    (Note [tpu generators from Python] in rng.py); the op itself sees no generator."""
+
+    def with_generator(func, args, kwargs):
+        if len(args) > position:
+            generator = args[position]
+            if generator is None:
+                return handler(func, args, kwargs)
+            args = args[:position] + (None,) + args[position + 1 :]
+        else:
+            generator = kwargs.get("generator")
+            if generator is None:
+                return handler(func, args, kwargs)
+            kwargs = {**kwargs, "generator": None}
+        with rng.drawing_from(rng.state_of(generator, func)):
+            return handler(func, args, kwargs)
+
+    return with_generator
 
 
 def _factor_as_laid_out(handler):
@@ -128,24 +153,45 @@ def _empty_stats_in_eval(handler, func):
 
 
 def _integer_indices(handler):
-    """Ops taking a list of indices (``@lowers(..., boolean_indices=True)``), where
-    torch turns a boolean mask into the integer indices of its True elements before
-    indexing. That count depends on values, so it happens here, op by op (nonzero),
-    and the op itself stays compiled."""
+    """Ops taking a list of indices (``@lowers(..., index_list=True)``), as advanced
+    indexing does. torch turns a boolean mask into the integer indices of its True
+    elements before indexing; that count depends on values, so it happens here, op by
+    op (nonzero), and the op itself stays compiled. Index tensors on the CPU are
+    accepted and moved to the device, as CUDA's ``index`` and ``index_put_`` do
+    (``x[torch.tensor([1])]``, ``x[cpu_mask] = 0``); a CPU mask is resolved on the CPU."""
 
     def with_integer_indices(func, args, kwargs):
-        indices = args[1]
-        if any(i is not None and i.dtype in (torch.bool, torch.uint8) for i in indices):
+        self, indices = args[0], args[1]
+        if any(i is not None and (i.dtype in _MASKS or i.device != self.device) for i in indices):
             expanded = []
             for i in indices:
-                if i is not None and i.dtype in (torch.bool, torch.uint8):
+                if i is not None and i.dtype in _MASKS:
+                    _check_mask_shape(self, i, len(expanded))
                     expanded.extend(aten.nonzero.default(i).unbind(1))
                 else:
                     expanded.append(i)
-            args = (args[0], expanded) + tuple(args[2:])
+            if any(i is not None and i.device != self.device for i in expanded):
+                expanded = [i if i is None or i.dim() == 0 else i.to(self.device) for i in expanded]
+            args = (self, expanded) + tuple(args[2:])
         return handler(func, args, kwargs)
 
     return with_integer_indices
+
+
+_MASKS = (torch.bool, torch.uint8)
+
+
+def _check_mask_shape(self, mask, start: int) -> None:
+    """torch's IndexError for a mask whose shape is not that of the dims it covers
+    (``ones(5, 4)[tensor([True])]``): without it the mask would select rows silently."""
+    for j, size in enumerate(mask.shape):
+        at = start + j
+        if at >= self.dim() or self.shape[at] != size:
+            shown = list(self.shape)
+            raise IndexError(
+                f"The shape of the mask {list(mask.shape)} at index {j} does not match the "
+                f"shape of the indexed tensor {shown} at index {at}"
+            )
 
 
 def _choose(func):

@@ -25,23 +25,30 @@ from __future__ import annotations
 
 import functools
 import sys
+import threading
 import time
 import weakref
 
 import numpy as np
+import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from torchtpu import config
+from torchtpu import config, tracing
 from torchtpu.dispatch import checks
 from torchtpu.dispatch.pending import Pending
 from torchtpu.observe import metrics, perf_warnings
 from torchtpu.observe.locations import user_frame
 from torchtpu.runtime import jax
+from torchtpu.tensor import backward_on_calling_thread
 
 
 class _Queue:
-    """The ops recorded since the last flush, as parallel lists (one entry per op)."""
+    """The ops recorded since the last flush on one device by one thread, as parallel
+    lists (one entry per op)."""
 
-    def __init__(self):
+    def __init__(self, device: int, home: dict):
+        self.device = device
+        self.home = home  # the recording thread's queues, by device
         self.plans: list = []
         self.refs: list[tuple] = []  # per op: (0, external slot, 0) or (1, op, output)
         self.outputs: list[list] = []  # per op: weak references to its Pendings
@@ -52,55 +59,83 @@ class _Queue:
         self.external_slot: dict[int, int] = {}  # id(array) -> position in externals
 
 
-_queue = _Queue()
+class _ThreadQueues(threading.local):
+    """Note [A queue per thread and device]
+        Each thread records into its own queues, so two threads running their own
+        models never interleave ops in one chunk; and each device has its own, so a
+        chunk's inputs and ops are all on one device (JAX runs a program on one).
+        A value recorded in another queue is taken as that queue's output: the other
+        queue is flushed first. Any thread may flush any queue (a value read on one
+        thread of a tensor another made), so recording and flushing hold one lock."""
+
+    def __init__(self):
+        self.by_device: dict[int, _Queue] = {}
+
+
+_threads = _ThreadQueues()
+_lock = threading.RLock()
+
+
+def _queue(device: int) -> _Queue:
+    queues = _threads.by_device
+    q = queues.get(device)
+    if q is None:
+        q = queues[device] = _Queue(device, queues)
+        # The backward of the ops this thread records must record here too, not on
+        # autograd's device thread: forward and backward then fuse into one chunk.
+        backward_on_calling_thread()
+    return q
 
 
 def pending_count() -> int:
-    return len(_queue.plans)
+    """The ops this thread has queued, on every device."""
+    return sum(len(q.plans) for q in _threads.by_device.values())
 
 
-def record(plan, args: list, out_avals: list, where: str | None) -> list[Pending]:
-    """Queue one op: ``args`` are the plan's arguments (arrays, Pendings, scalars);
-    returns a Pending per output of the plan's function (new tensors, then written
-    bases). ``where`` names the user's line, when an error may need it."""
-    q = _queue
-    position = len(q.plans)
-    refs = []
-    externals = q.externals
-    for a in args:
-        if type(a) is Pending:
-            if a.queue is q and a.value is None:
-                refs.append((1, a.node, a.index))
-                continue
-            if a.value is None and a.error is None:
-                raise RuntimeError("torchtpu internal error: a pending value from another queue")
-            a = a.resolved()
-        if hasattr(a, "shape"):  # a concrete array: one chunk input however often used
-            slot = q.external_slot.get(id(a))
-            if slot is None:
-                # externals keeps the array alive, so its id() stays its own
-                slot = q.external_slot[id(a)] = len(externals)
+def record(plan, args: list, out_avals: list, where: str | None, device: int) -> list[Pending]:
+    """Queue one op on ``tpu:device``: ``args`` are the plan's arguments (arrays,
+    Pendings, scalars); returns a Pending per output of the plan's function (new
+    tensors, then written bases). ``where`` names the user's line, when an error may
+    need it."""
+    with _lock:
+        q = _threads.by_device.get(device) or _queue(device)
+        position = len(q.plans)
+        refs = []
+        externals = q.externals
+        for a in args:
+            if type(a) is Pending:
+                if a.queue is q and a.value is None:
+                    refs.append((1, a.node, a.index))
+                    continue
+                if a.value is None and a.error is None:
+                    flush_pending(a, "value from another queue")
+                a = a.resolved()
+            if hasattr(a, "shape"):  # a concrete array: one chunk input however often used
+                slot = q.external_slot.get(id(a))
+                if slot is None:
+                    # externals keeps the array alive, so its id() stays its own
+                    slot = q.external_slot[id(a)] = len(externals)
+                    externals.append(a)
+                refs.append((0, slot, 0))
+            else:  # a traced Python scalar
+                refs.append((0, len(externals), 0))
                 externals.append(a)
-            refs.append((0, slot, 0))
-        else:  # a traced Python scalar
-            refs.append((0, len(externals), 0))
-            externals.append(a)
-    refs = tuple(refs)
-    if len(out_avals) == 1:
-        shape, dtype = out_avals[0]
-        outputs = [Pending(position, 0, shape, dtype, q)]
-        q.outputs.append([weakref.ref(outputs[0])])
-    else:
-        outputs = [Pending(position, i, s, d, q) for i, (s, d) in enumerate(out_avals)]
-        q.outputs.append([weakref.ref(p) for p in outputs])
-    q.plans.append(plan)
-    q.refs.append(refs)
-    q.wheres.append(where)
-    q.key.append(plan.uid)
-    q.key.append(refs)
-    if position + 1 >= config.defer_max_ops:
-        flush("queue full")
-    return outputs
+        refs = tuple(refs)
+        if len(out_avals) == 1:
+            shape, dtype = out_avals[0]
+            outputs = [Pending(position, 0, shape, dtype, q)]
+            q.outputs.append([weakref.ref(outputs[0])])
+        else:
+            outputs = [Pending(position, i, s, d, q) for i, (s, d) in enumerate(out_avals)]
+            q.outputs.append([weakref.ref(p) for p in outputs])
+        q.plans.append(plan)
+        q.refs.append(refs)
+        q.wheres.append(where)
+        q.key.append(plan.uid)
+        q.key.append(refs)
+        if position + 1 >= config.defer_max_ops:
+            _flush_full(q)
+        return outputs
 
 
 # -- flushing ---------------------------------------------------------------------------------
@@ -147,12 +182,98 @@ _CHUNKS = metrics.LRUCache("chunk_cache", lambda: config.chunk_cache_size)
 
 
 def flush(reason: str) -> None:
-    """Run every queued op as one chunk and hand out the values still referenced."""
-    global _queue
-    q = _queue
-    if not q.plans:
-        return
-    _queue = _Queue()  # reentrancy: anything recorded from here on is a new chunk
+    """Run every op this thread queued: one chunk per device."""
+    for q in list(_threads.by_device.values()):
+        if q.plans:
+            _flush(q, reason)
+
+
+def _end_of_step(optimizer, args, kwargs) -> None:
+    """After every ``optimizer.step()``: the end of a training step is the natural end
+    of a chunk, so a loop that reads no value still runs one cached chunk per step
+    (Note [Where a full queue is cut] covers loops without an optimizer)."""
+    if torch.compiler.is_compiling() or tracing._active is not None:
+        return  # a traced step: its ops are in the program, not in a queue
+    flush("optimizer step")
+
+
+register_optimizer_step_post_hook(_end_of_step)
+
+
+def flush_pending(pending: Pending, reason: str) -> None:
+    """Run the queue that will produce ``pending``, whichever thread recorded it."""
+    if pending.queue is not None:
+        _flush(pending.queue, reason)
+
+
+def _flush(q: _Queue, reason: str) -> None:
+    with _lock:
+        if q.home.get(q.device) is not q or not q.plans:
+            return  # flushed already, by another thread or from inside this flush
+        # Reentrancy: anything recorded from here on goes to a new chunk.
+        q.home[q.device] = _Queue(q.device, q.home)
+        _run(q, reason)
+
+
+def _flush_full(q: _Queue) -> None:
+    """Note [Where a full queue is cut]
+        A loop that reads no value fills the queue, and XLA's compile time grows
+        faster than a chunk's size (226 ops 2.8 s, 901 ops 31 s). Cutting where the
+        queue happens to be full would make chunks of every phase of the loop, each
+        compiled anew. So a full queue is cut before the last op that is the same
+        plan as its first: the loop's body most likely starts there, the chunk holds
+        whole iterations and starts where the next one will, and the chunks repeat
+        (one compile). The ops after the cut stay queued, reading the values they need
+        from the flushed part as inputs. Without such an op, all of it is flushed."""
+    with _lock:
+        n = len(q.plans)
+        first = q.plans[0]
+        cut = next((i for i in range(n - 1, n // 4, -1) if q.plans[i] is first), None)
+        if cut is None:
+            _flush(q, "queue full")
+            return
+        head = _Queue(q.device, q.home)
+        head.plans, head.refs = q.plans[:cut], q.refs[:cut]
+        head.outputs, head.wheres, head.key = q.outputs[:cut], q.wheres[:cut], q.key[: 2 * cut]
+        # Slots are given in order of first use: the head's inputs come first.
+        used = [a for refs in head.refs for kind, a, _ in refs if kind == 0]
+        head.externals = q.externals[: max(used) + 1] if used else []
+        needed = list({(a, b): None for refs in q.refs[cut:] for kind, a, b in refs
+                       if kind == 1 and a < cut})  # fmt: skip
+        tail = q.home[q.device] = _Queue(q.device, q.home)
+        values = _run(head, "queue full", needed)
+        for position in range(cut, n):
+            refs = []
+            for kind, a, b in q.refs[position]:
+                if kind == 1 and a >= cut:
+                    refs.append((1, a - cut, b))
+                    continue
+                value = q.externals[a] if kind == 0 else values[(a, b)]
+                if hasattr(value, "shape"):
+                    slot = tail.external_slot.get(id(value))
+                    if slot is None:
+                        slot = tail.external_slot[id(value)] = len(tail.externals)
+                        tail.externals.append(value)
+                else:
+                    slot = len(tail.externals)
+                    tail.externals.append(value)
+                refs.append((0, slot, 0))
+            for ref in q.outputs[position]:
+                pending = ref()
+                if pending is not None:
+                    pending.node, pending.queue = position - cut, tail
+            tail.plans.append(q.plans[position])
+            tail.refs.append(tuple(refs))
+            tail.outputs.append(q.outputs[position])
+            tail.wheres.append(q.wheres[position])
+            tail.key.append(q.plans[position].uid)
+            tail.key.append(tail.refs[-1])
+
+
+def _run(q: _Queue, reason: str, needed=()) -> dict:
+    """Run ``q``'s ops as one chunk (compiled once per chunk key) and hand out the
+    values still referenced; returns the values of the outputs in ``needed``
+    ((op, output) pairs), which are outputs of the chunk too."""
     metrics.count("flushes", reason)
     perf_warnings.note_read()
     where = user_frame()
@@ -170,8 +291,11 @@ def flush(reason: str) -> None:
     metrics.count("chunk_values", "outputs", len(live))
     if total > len(live):
         metrics.count("chunk_values", "dropped", total - len(live))
-    if not live_pendings:
-        return
+    outputs = set(live)
+    extra = [n for n in needed if n not in outputs]
+    live.extend(extra)
+    if not live:
+        return {}
     donated = _donatable(q.externals, live_pendings)
     key = (tuple(q.key), tuple(live), donated)
     chunk = _CHUNKS.lookup(key)
@@ -189,10 +313,18 @@ def flush(reason: str) -> None:
 
     try:
         start = time.perf_counter()
-        values, flags = chunk.call(*q.externals)
+        if q.device:
+            from torchtpu.runtime import device as jax_device
+
+            with jax().default_device(jax_device(q.device)):
+                values, flags = chunk.call(*q.externals)
+        else:
+            values, flags = chunk.call(*q.externals)
         if not chunk.compiled:
             chunk.compiled = True
-            metrics.count("compile_seconds", "chunk", time.perf_counter() - start)
+            seconds = time.perf_counter() - start
+            metrics.count("compile_seconds", "chunk", seconds)
+            perf_warnings.note_chunk_compile(seconds, len(q.plans), where)
     except Exception as exc:
         record_event(failed=True)
         error = _annotate(exc, q)
@@ -206,6 +338,10 @@ def flush(reason: str) -> None:
         checks.defer(
             [flag], [q.plans[position].check_infos[k]], f"called from {q.wheres[position]}"
         )
+    if not needed:
+        return {}
+    produced = dict(zip(live, values))
+    return {n: produced[n] for n in needed}
 
 
 # sys.getrefcount of an external array that only the queue holds: the queue's list,

@@ -85,6 +85,10 @@ def run_on_cpu(func, args, kwargs):
 
     def back(x):
         if isinstance(x, torch.Tensor):
+            if x.layout != torch.strided:
+                from torchtpu.ops import unsupported  # (imports JAX: not at import time)
+
+                unsupported.refuse("sparse layouts", op=func, layout=x.layout)
             original = originals.get(id(x))
             return original if original is not None else from_cpu(x, device)
         return x

@@ -107,7 +107,7 @@ def lowered_handler(entry: Entry):
             # The usual op: one new tensor, nothing written back, checked or drawn.
             try:
                 if mode is _DEFER:
-                    value = record(plan, call.arrays + call.scalars, plan.avals, None)[0]
+                    value = record(plan, call.arrays + call.scalars, plan.avals, None, 0)[0]
                 elif mode is _STRICT and plan.compiled and tracing._active is None:
                     value = plan.call(*call.arrays, *call.scalars)[single]
                 else:
@@ -234,7 +234,7 @@ def _record(plan: Plan, call, device: int):
         _note_fast(plan)
     # The user's line costs a stack walk: only kept where an error may need it.
     where = user_frame() if plan.check_infos else None
-    pending = defer.record(plan, args, plan.avals, where)
+    pending = defer.record(plan, args, plan.avals, where, device)
     n_out = len(plan.outputs)
     if plan.written_slots:
         return pending[:n_out], pending[n_out:]

@@ -87,7 +87,7 @@ def materialize(t: TPUTensor):
     s = t._storage
     if type(s.array) is Pending:
         if not s.array.node_done():
-            defer.flush("value read")
+            defer.flush_pending(s.array, "value read")
         s.array = s.array.resolved()
     if not t._chain and s.array is not None:
         return s.array

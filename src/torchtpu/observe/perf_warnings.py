@@ -16,6 +16,7 @@ Note [What counts as recompiling]
 
 from __future__ import annotations
 
+import time
 import warnings
 
 from torchtpu import config
@@ -97,6 +98,43 @@ def note_flush(reason: str, where: str) -> None:
         )
 
 
+class TPUCompileTimeWarning(TPUPerformanceWarning):
+    """Compiling DeferAndFuse chunks takes most of the program's time."""
+
+
+# Chunk compiles: [seconds in all, count, time of the first, warned]
+_chunk_compiles = [0.0, 0, None, False]
+
+
+def note_chunk_compile(seconds: float, ops: int, where: str) -> None:
+    """Called after each DeferAndFuse chunk compiled (``ops`` ops, flushed at
+    ``where``). Warns once when compiling has taken more than half of the time since
+    the first chunk compiled, and ``config.compile_warn_seconds`` in all, over at
+    least three compiles (one long compile of a big step is not a pattern)."""
+    entry = _chunk_compiles
+    now = time.perf_counter()
+    if entry[2] is None:
+        entry[2] = now - seconds
+    entry[0] += seconds
+    entry[1] += 1
+    if (
+        entry[3]
+        or entry[1] < 3
+        or entry[0] < config.compile_warn_seconds
+        or entry[0] < 0.5 * (now - entry[2])
+    ):
+        return
+    entry[3] = True
+    warnings.warn(
+        f"torchtpu: DeferAndFuse has spent {entry[0]:.1f} s of the last {now - entry[2]:.1f} s "
+        f"compiling {entry[1]} chunks (the last: {ops} ops, flushed at {where}). Large "
+        "chunks compile slowly: call optimizer.step() or read a value once per step so "
+        "that each step becomes one cached chunk, or lower torchtpu.config.defer_max_ops.",
+        TPUCompileTimeWarning,
+        stacklevel=user_stacklevel(),
+    )
+
+
 def first_difference(old, new, path: tuple = ()) -> tuple[tuple, object, object] | None:
     """The path to the first leaf where two nested tuples differ, and both leaves."""
     if isinstance(old, tuple) and isinstance(new, tuple) and len(old) == len(new):
@@ -115,3 +153,4 @@ def reset() -> None:
     _compiles.clear()
     _warned_lines.clear()
     _flushes.clear()
+    _chunk_compiles[:] = [0.0, 0, None, False]

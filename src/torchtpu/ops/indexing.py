@@ -42,7 +42,7 @@ def _index_tuple(self, indices):
     return tuple(out)
 
 
-@lowers(aten.index.Tensor, boolean_indices=True)
+@lowers(aten.index.Tensor, index_list=True)
 def index(self, indices):
     return self[_index_tuple(self, indices)]
 
@@ -52,7 +52,7 @@ def _unsafe_index(self, indices):
     return self[tuple(slice(None) if i is None else i for i in indices)]
 
 
-@lowers(aten.index_put.default, boolean_indices=True)
+@lowers(aten.index_put.default, index_list=True)
 def index_put(self, indices, values, accumulate=False):
     where = _index_tuple(self, indices)
     values = cast(values, self.dtype)
@@ -66,7 +66,7 @@ def _unsafe_index_put(self, indices, values, accumulate=False):
     return _add_at(self, where, values) if accumulate else self.at[where].set(values)
 
 
-@lowers(aten._index_put_impl_.default, boolean_indices=True)
+@lowers(aten._index_put_impl_.default, index_list=True)
 def _index_put_impl_(self, indices, values, accumulate=False, unsafe=False):
     return index_put(self, indices, values, accumulate)
 

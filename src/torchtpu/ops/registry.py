@@ -68,7 +68,7 @@ class Lowering:
     meta: str = "run"
     cpu_statistics: bool = False
     writes_expanded: bool = False
-    boolean_indices: bool = False
+    index_list: bool = False
     factors_as_laid_out: bool = False
 
 
@@ -91,7 +91,7 @@ def lowers(
     meta: str = "run",
     cpu_statistics: bool = False,
     writes_expanded: bool = False,
-    boolean_indices: bool = False,
+    index_list: bool = False,
     factors_as_laid_out: bool = False,
 ):
     """Register the decorated function as the lowering of each op in ``ops``.
@@ -108,8 +108,9 @@ def lowers(
       whose dtype for 16-bit inputs the CPU kernels choose unlike the meta kernels.
     - ``writes_expanded``: the in-place form may write into an expanded tensor (torch
       skips its internal-overlap check: ``fill_``, ``zero_``).
-    - ``boolean_indices``: takes a list of indices where a boolean mask stands for
-      the integer indices of its True elements (made op by op, before the op runs).
+    - ``index_list``: takes a list of indices as advanced indexing does: a boolean
+      mask stands for the integer indices of its True elements (made op by op, before
+      the op runs), and index tensors on the CPU are taken as CUDA takes them.
     - ``factors_as_laid_out``: the result depends on the memory layout of a real input
       (LAPACK's column-major LU); the dispatcher passes it as laid out.
     """
@@ -142,7 +143,7 @@ def lowers(
                 meta=meta,
                 cpu_statistics=cpu_statistics,
                 writes_expanded=writes_expanded,
-                boolean_indices=boolean_indices,
+                index_list=index_list,
                 factors_as_laid_out=factors_as_laid_out,
             )
         return fn

@@ -2,8 +2,7 @@
 
 A lowering (or the dispatcher) that meets such a case calls `refuse`, which raises
 ``NotImplementedError`` naming the op and the reason from this table. (Whole dtypes
-torchtpu cannot hold -- complex32, quantized -- are refused by dtypes.py; sparse
-layouts by the CPU fallback, which names the layout.)
+torchtpu cannot hold -- complex32, quantized -- are refused by dtypes.py.)
 """
 
 from __future__ import annotations
@@ -22,6 +21,11 @@ UNSUPPORTED: dict[str, str] = {
         "fixed-point weights, which is not reproduced"
     ),
     "_grouped_mm: bias": "a bias is not supported on tpu (add it after the product)",
+    "sparse layouts": (
+        "sparse layouts ({layout}) are not supported on tpu: tpu tensors are strided. "
+        "nn.Embedding(sparse=True) and F.embedding(..., sparse=True) make sparse "
+        "gradients: use sparse=False (a dense gradient)"
+    ),
     "as_strided: dtype view": (
         "a tensor viewed as another dtype is not supported on tpu (take as_strided of "
         "the original tensor, then view it)"
@@ -29,7 +33,9 @@ UNSUPPORTED: dict[str, str] = {
 }
 
 
-def refuse(case: str, detail: str = "") -> None:
-    """Raise NotImplementedError for ``case``, a key of `UNSUPPORTED`."""
-    op = case.split(":", 1)[0]
-    raise NotImplementedError(f"{op}: {UNSUPPORTED[case]}{detail}")
+def refuse(case: str, detail: str = "", *, op=None, **fields) -> None:
+    """Raise NotImplementedError for ``case``, a key of `UNSUPPORTED` (``op: reason``
+    keys name their op; others are given ``op``), its reason formatted with ``fields``."""
+    if op is None:
+        op = case.split(":", 1)[0]
+    raise NotImplementedError(f"{op}: {UNSUPPORTED[case].format(**fields)}{detail}")
