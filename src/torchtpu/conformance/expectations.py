@@ -91,10 +91,12 @@ EXPECTATIONS: dict[tuple[str, str, str, str, str], Expectation] = {
         "float64 result; outputs summed from cancelling products are 1e-4 off for both",
     ),
     ("matrix_exp", "*", "float32", "forward", "*"): tolerance(
-        1e-5,
+        1e-4,
         1e-3,
         "float32 rounding of a series on entries up to 1e5: against a float64 reference "
-        "ours is as accurate as the CPU's (1.8e-6 vs 3.2e-6 of the matrix norm)",
+        "ours is as accurate as the CPU's (1.8e-6 vs 3.2e-6 of the matrix norm); how the "
+        "error falls varies with the host CPU's code generation (6.5e-5 relative on an "
+        "entry of 21 on one machine, within 1e-5 on another)",
     ),
     ("matrix_exp", "op", "float32", "grad", "*"): tolerance(
         1e-5,
