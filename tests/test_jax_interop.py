@@ -9,9 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from tests.conftest import assert_same, tpu
 
 import torchtpu
+from conftest import assert_same, tpu
 from torchtpu.interop.pallas import softmax as pallas_softmax
 
 # -- functions used by several tests (each jax_op is a torch op: defined once) -------------
@@ -68,6 +68,11 @@ _clip_gradient.defvjp(lambda x: (x, None), lambda _, g: (jnp.clip(g, -0.5, 0.5),
 @torchtpu.jax_op
 def clip_gradient(x):
     return _clip_gradient(x) * 1.0
+
+
+@torchtpu.jax_op
+def complex_square(z, c):
+    return z * z * c, jnp.exp(1j * jnp.real(z))
 
 
 @torchtpu.jax_op
@@ -268,6 +273,19 @@ def test_gradients_equal_torch_autograd(mode):
     (expected["a"].square().sum() + 3 * expected["b"]).backward()
     assert_same(xt.grad, x.grad, rtol=1e-5, atol=1e-5)
     assert_same(yt.grad, y.grad, rtol=1e-5, atol=1e-5)
+
+
+def test_complex_gradients_follow_torch_convention():
+    """Note [Complex gradients]: torch's are the conjugates of JAX's cotangents."""
+    z, c = _data(4, dtype=torch.complex64), _data(4, dtype=torch.complex64, seed=1)
+    g = _data(4, dtype=torch.complex64, seed=2)
+    z.requires_grad_(), c.requires_grad_()
+    zt, ct = tpu(z.detach()).requires_grad_(), tpu(c.detach()).requires_grad_()
+    y, phase = complex_square(zt, ct)
+    ((y * tpu(g)).abs().sum() + (phase * tpu(g)).real.sum()).backward()
+    ((z * z * c * g).abs().sum() + (torch.exp(1j * z.real) * g).real.sum()).backward()
+    assert_same(zt.grad, z.grad, rtol=1e-5, atol=1e-5)
+    assert_same(ct.grad, c.grad, rtol=1e-5, atol=1e-5)
 
 
 def test_an_unused_output_gets_a_zero_gradient():

@@ -31,6 +31,12 @@ Note [Static and traced numbers]
     a temperature or a learning rate that changes every step then never recompiles.
     Everything else that is not a tensor (strings, dtypes, None) is static.
 
+Note [Complex gradients]
+    For complex values torch's autograd passes and returns the conjugates of the
+    cotangents ``jax.vjp`` takes and gives (torch: the conjugate Wirtinger derivative;
+    JAX: the plain one), so the default backward conjugates both sides. A user's
+    ``backward`` gets and returns torch's convention.
+
 Note [Backward recomputes the forward]
     The ``_vjp`` op takes the primal inputs, not JAX's residuals (torch saves tensors,
     and a residual has no torch type), so ``jax.vjp`` traces the forward again inside
@@ -47,6 +53,7 @@ import inspect
 import itertools
 import re
 import sys
+import threading
 from collections.abc import Callable, Sequence
 
 import torch
@@ -150,6 +157,7 @@ class JaxFunction:
         self.defined_at = f"{code.co_filename}:{code.co_firstlineno}" if code else "<unknown>"
         self.specs: list[_Spec] = []
         self._spec_ids: dict[_Spec, str] = {}
+        self._lock = threading.Lock()
         self._abstract: dict = {}
         self._cpu: dict = {}
         self.op, self.vjp_op = _define(self, name)
@@ -194,8 +202,11 @@ class JaxFunction:
         spec = _Spec(tuple(names), tuple(trees), tuple(leaves), n_positional)
         spec_id = self._spec_ids.get(spec)
         if spec_id is None:
-            spec_id = self._spec_ids[spec] = str(len(self.specs))
-            self.specs.append(spec)
+            with self._lock:
+                spec_id = self._spec_ids.get(spec)
+                if spec_id is None:
+                    self.specs.append(spec)
+                    spec_id = self._spec_ids[spec] = str(len(self.specs) - 1)
         return tensors, numbers, spec_id
 
     # -- the JAX side: rebuild the arguments and call the function ----------------------
@@ -250,11 +261,12 @@ class JaxFunction:
             return self.forward(spec_id, full, numbers)
 
         outs, pullback = jx.vjp(of_differentiable, *[arrays[i] for i in diff])
+        # Note [Complex gradients]: torch's gradient is the conjugate of JAX's cotangent.
         cots = [
-            jnp.asarray(c, o.dtype) if _inexact(o.dtype) else _float0_zeros(o.shape)
+            jnp.conj(jnp.asarray(c, o.dtype)) if _inexact(o.dtype) else _float0_zeros(o.shape)
             for c, o in zip(cotangents, outs)
         ]
-        return list(pullback(cots))
+        return [jnp.conj(g) if jnp.iscomplexobj(g) else g for g in pullback(cots)]
 
     def _user_vjp(self, spec_id, arrays, cotangents, numbers, diff) -> list:
         jx = jax()
