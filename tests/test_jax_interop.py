@@ -321,6 +321,14 @@ def test_static_numbers_compile_per_value_and_traced_ones_do_not():
     assert torchtpu.metrics()["op_cache"]["miss"] == 4
 
 
+def test_gradient_through_a_function_with_traced_numbers():
+    x = _data(4).requires_grad_()
+    xt = tpu(x.detach()).requires_grad_()
+    scaled(xt, 3.0).square().sum().backward()
+    (x * 3.0).square().sum().backward()
+    assert_same(xt.grad, x.grad)
+
+
 def test_a_user_given_backward_is_used():
     xt = tpu(torch.tensor([0.2, 1.7, -2.6])).requires_grad_()
     y = round_ste(xt)
@@ -360,8 +368,10 @@ def test_torch_compile_has_no_graph_break():
     x, w = _data(4, 3), _data(3, 5)
     xt, wt = tpu(x), tpu(w).requires_grad_()
 
-    def model(x, w):
-        return (tanh_layer(x, w) * 2).sum()
+    def model(x, w, forward=tanh_layer, pair=sin_mul):
+        h = forward(x, w)
+        out = pair(h, h.flip(0), scale=0.5)  # a dict of outputs
+        return out["a"].sum() + out["b"]
 
     explanation = torch._dynamo.explain(model)(xt, wt)
     assert explanation.graph_break_count == 0, explanation.break_reasons
@@ -370,7 +380,7 @@ def test_torch_compile_has_no_graph_break():
     loss = torch.compile(model, backend="tpu")(xt, wt)
     loss.backward()
     wc = w.clone().requires_grad_()
-    expected = (torch.tanh(x @ wc) * 2).sum()
+    expected = model(x, wc, lambda x, w: torch.tanh(x @ w), sin_mul_torch)
     expected.backward()
     assert_same(loss, expected.detach(), rtol=1e-5, atol=1e-5)
     assert_same(wt.grad, wc.grad, rtol=1e-5, atol=1e-5)

@@ -137,8 +137,7 @@ _trace_rules.add("torchtpu")
 # A @torchtpu.jax_op function is one node of Dynamo's graph (Dynamo must not trace
 # JAX's pytree code); AOTAutograd traces it into its custom ops. Those made before
 # Dynamo was loaded are marked here, later ones when they are made.
-for _function in jax_functions.registered():
-    torch._dynamo.allow_in_graph(_function)
+jax_functions.mark_for_dynamo()
 
 # Found through the entry point, Dynamo registers it itself once this module loads
 # (and would refuse a second registration); imported directly, it registers here.

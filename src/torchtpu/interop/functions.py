@@ -437,27 +437,41 @@ def _backward(vjp_op):
         ]
         computed = iter(vjp_op(tensors, cotangents, ctx.numbers, ctx.spec))
         tensor_grads = [next(computed) if _inexact_torch(t.dtype) else None for t in tensors]
-        return tensor_grads, [None] * len(ctx.numbers), None
+        # torch's check of the structure takes an empty Scalar[] for a list, a full one
+        # for a leaf.
+        return tensor_grads, (None if ctx.numbers else []), None
 
     return backward
 
 
 def _allow_in_compiled_graphs(function: Callable) -> None:
-    """torch.compile: the call is one node of Dynamo's graph (compile/backend.py marks
-    each function, as Dynamo must not trace JAX's pytree code); AOTAutograd then traces
-    it into the custom ops. Marked now if Dynamo is loaded, else when it loads the
-    backend (importing Dynamo here would cost seconds)."""
+    """torch.compile: the call is one node of Dynamo's graph, which AOTAutograd traces
+    into the custom ops (Dynamo must not trace JAX's pytree code). Marked now if Dynamo
+    is loaded, else by `mark_for_dynamo` when compile/backend.py loads (importing
+    Dynamo here would cost seconds)."""
     _FUNCTIONS.append(function)
     if "torch._dynamo" in sys.modules:
-        torch._dynamo.allow_in_graph(function)
+        _mark(function)
 
 
 _FUNCTIONS: list[Callable] = []
 
 
-def registered() -> list[Callable]:
-    """Every function made by ``jax_op`` so far (for compile/backend.py)."""
-    return list(_FUNCTIONS)
+def mark_for_dynamo() -> None:
+    """Mark every function ``jax_op`` made so far (compile/backend.py calls this)."""
+    for function in _FUNCTIONS:
+        _mark(function)
+
+
+def _mark(function: Callable) -> None:
+    """What ``torch._dynamo.nonstrict_trace`` does to the function it makes, done to
+    ``function`` itself (the user already holds it): an opaque call in Dynamo's graph
+    whose inputs and outputs may be any pytree (``allow_in_graph`` takes tensors and
+    tuples of them only, not a dict)."""
+    from torch._dynamo import trace_rules
+
+    trace_rules._allowed_callable_ids.add(id(function))
+    trace_rules._nonstrict_trace_callable_ids.add(id(function))
 
 
 # -- helpers -------------------------------------------------------------------------------
