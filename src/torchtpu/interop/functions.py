@@ -66,6 +66,7 @@ from torchtpu.runtime import jax
 __all__ = ["JaxFunction", "jax_op"]
 
 NAMESPACE = "torchtpu_jax"
+_SHOWN = 120  # characters of a spec's name that show its static values
 _NUMBERS = (bool, int, float)
 
 _library: torch.library.Library | None = None
@@ -184,7 +185,7 @@ class JaxFunction:
         except TypeError as exc:
             raise TypeError(f"jax_op {self.qualname}: {exc}") from None
         tree_util = jax().tree_util
-        tensors, numbers, leaves, names, trees = [], [], [], [], []
+        tensors, numbers, leaves, names, trees, shown = [], [], [], [], [], []
         n_positional = len(tree_util.tree_leaves(bound.args))
         for pname, value in bound.arguments.items():
             flat, tree = tree_util.tree_flatten(value)
@@ -199,20 +200,23 @@ class JaxFunction:
                     numbers.append(leaf)
                 else:
                     leaves.append(("s", _static(self, pname, leaf)))
+                    shown.append(f"{pname}={leaf!r}")
         spec = _Spec(tuple(names), tuple(trees), tuple(leaves), n_positional)
         spec_id = self._spec_ids.get(spec)
         if spec_id is None:
             with self._lock:
                 spec_id = self._spec_ids.get(spec)
                 if spec_id is None:
+                    # Its number, then what it holds, for the recompile warning to show.
                     self.specs.append(spec)
-                    spec_id = self._spec_ids[spec] = str(len(self.specs) - 1)
+                    spec_id = f"{len(self.specs) - 1}: {', '.join(shown)}"[:_SHOWN]
+                    self._spec_ids[spec] = spec_id
         return tensors, numbers, spec_id
 
     # -- the JAX side: rebuild the arguments and call the function ----------------------
 
     def _arguments(self, spec_id: str, arrays, numbers):
-        spec = self.specs[int(spec_id)]
+        spec = self.specs[int(spec_id.partition(":")[0])]
         tree_util = jax().tree_util
         values = []
         for kind, payload in spec.leaves:
