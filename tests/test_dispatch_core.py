@@ -101,7 +101,7 @@ def test_recording_builds_the_chunk_key_as_it_goes():
         x = torch.ones(4, device="tpu")
         x.cpu()
         y = x * 2 + 1
-        q = defer._queue
+        q = defer._queue(0)
         assert len(q.plans) == 2 and len(q.key) == 4  # (plan, wiring) per op
         assert_same(y, torch.full((4,), 3.0))
         assert defer.pending_count() == 0
@@ -112,7 +112,7 @@ def test_a_chunk_takes_each_external_array_once():
         x = torch.ones(4, device="tpu")
         x.cpu()
         y = x * x + x - x
-        assert len(defer._queue.externals) == 1
+        assert len(defer._queue(0).externals) == 1
         assert_same(y, torch.ones(4))
 
 

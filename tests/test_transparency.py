@@ -117,6 +117,22 @@ def test_flushing_every_step_from_one_line_warns():
     assert "loss.item() every N steps" in str(caught[0].message)
 
 
+def test_chunk_compiles_taking_most_of_the_time_warn_once(monkeypatch):
+    monkeypatch.setattr(config, "compile_warn_seconds", 0.0)
+    xs = [torch.ones(n, 3).to("tpu") for n in range(1, 7)]
+
+    def loop():
+        with torch.tpu.set_eager_mode("defer"):
+            for x in xs:  # a new shape each time: every flush compiles a chunk
+                (x * 2 + 1).exp().sum().item()
+
+    caught = [w for w in _caught(loop) if w.category is torchtpu.TPUCompileTimeWarning]
+    assert len(caught) == 1
+    assert issubclass(torchtpu.TPUCompileTimeWarning, torchtpu.TPUPerformanceWarning)
+    assert "compiling 3 chunks" in str(caught[0].message)
+    assert caught[0].filename == __file__
+
+
 def test_explain_accounts_for_flushes_compiles_and_fallbacks():
     model = torch.nn.Linear(8, 4).to("tpu")
 

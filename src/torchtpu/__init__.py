@@ -25,6 +25,7 @@ from torchtpu.matmul_precision import Precision, precision
 from torchtpu.observe.explain import Explanation, explain_call
 from torchtpu.observe.metrics import metrics, metrics_report, reset_metrics
 from torchtpu.observe.perf_warnings import (
+    TPUCompileTimeWarning,
     TPUFlushWarning,
     TPUPerformanceWarning,
     TPURecompileWarning,
@@ -37,6 +38,7 @@ __all__ = [
     "EagerMode",
     "Explanation",
     "Precision",
+    "TPUCompileTimeWarning",
     "TPUFallbackWarning",
     "TPUFlushWarning",
     "TPUPerformanceWarning",

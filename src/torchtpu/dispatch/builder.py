@@ -80,6 +80,7 @@ def build(op, lowering, info_: SchemaInfo, rules, values: list, call: Call) -> P
     margs = oracle.meta_values(rules, key, values)
     needs_meta = all(r.is_tensor for r in info_.returns) and lowering.meta != "skip"
     meta_out = oracle.run_meta(op, info_, margs) if needs_meta else None
+    oracle.check_dtypes_as_cpu(op, info_, margs)
     if lowering.meta == "checks_only":
         meta_out = None
 

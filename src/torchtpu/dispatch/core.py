@@ -24,6 +24,7 @@ import torch
 from torchtpu import rng
 from torchtpu import tensor as tensor_module
 from torchtpu.dispatch import backward_errors, out_tensors, plans, schema
+from torchtpu.dispatch import meta as oracle
 from torchtpu.dispatch.fallback import run_on_cpu
 from torchtpu.dispatch.special import SPECIAL, run_on_host
 from torchtpu.dispatch.views import inplace_view_handler, view_handler
@@ -61,6 +62,8 @@ def dispatch(func, args, kwargs):
 def _handler(func):
     """`_choose`'s handler, wrapped for what the op's lowering asks at registration."""
     handler = _choose(func)
+    if oracle.dtypes_checked_by_cpu(func) and not getattr(handler, "builds_plans", False):
+        handler = _dtypes_as_cpu(handler, func)
     lowering = TABLE.get(func) or TABLE.get(schema.functional_variant(func))
     if lowering is not None and lowering.index_list:
         handler = _integer_indices(handler)
@@ -74,6 +77,25 @@ def _handler(func):
     if "generator" in names:
         handler = _from_generator(handler, names.index("generator"))
     return handler
+
+
+def _dtypes_as_cpu(handler, func):
+    """Ops computed without a plan (decomposed, data-dependent shapes) whose CPU kernel
+    refuses mixed dtypes: checked as builder.py checks the others, once per combination
+    of dtypes (Note [Dtype checks only the CPU kernels make] in meta.py)."""
+    info = schema.info(func)
+    passed: set = set()
+
+    def with_cpu_dtype_checks(func, args, kwargs):
+        leaves = torch.utils._pytree.tree_leaves((args, kwargs))
+        key = tuple(t.dtype for t in leaves if isinstance(t, torch.Tensor))
+        if key not in passed:
+            margs, mkwargs = oracle.on_meta(args, kwargs)
+            oracle.check_dtypes_as_cpu(func, info, info.bind(margs, mkwargs))
+            passed.add(key)
+        return handler(func, args, kwargs)
+
+    return with_cpu_dtype_checks
 
 
 def _from_generator(handler, position: int):

@@ -85,16 +85,75 @@ def run_meta(op, info: SchemaInfo, margs: list):
         raise name_op(_as_on_cpu(op, args, kwargs, exc), op) from None
 
 
+# Note [Dtype checks only the CPU kernels make]
+#     These ops' CPU kernels refuse tensors of mixed dtypes ("expected m1 and m2 to
+#     have the same dtype", "index_add_(): self (Float) and source (Double) must have
+#     the same scalar type") where their meta kernels compute a result, so the meta
+#     oracle alone would let a float64 source into a float32 ``index_add_``. A call of
+#     one of them whose tensors are not all of one dtype is replayed on CPU zeros when
+#     its plan is built (once per signature: never on the hot path), and the CPU's
+#     error is raised. The replay also accepts what the CPU accepts (a bfloat16 input
+#     with float32 norm parameters, int64 indices). The list comes from running every
+#     OpInfo's samples with one float argument recast to float64 on the CPU and on tpu
+#     (tests/test_errors.py checks it).
+_DTYPES_CHECKED_BY_CPU = frozenset(
+    {
+        # matrix products and convolutions
+        "mm", "addmm", "addbmm", "mv", "addmv", "_cdist_forward", "convolution",
+        # vector functions
+        "cross", "linalg_cross", "heaviside", "polar", "complex", "linalg_lstsq",
+        # normalizations, softmax, losses, sampling
+        "native_group_norm", "native_layer_norm", "native_batch_norm",
+        "_native_batch_norm_legit", "_native_batch_norm_legit_no_training",
+        "_batch_norm_with_update", "_batch_norm_no_update", "_softmax_backward_data",
+        "binary_cross_entropy", "nll_loss_forward", "nll_loss2d_forward",
+        "grid_sampler_2d", "grid_sampler_3d", "_embedding_bag", "_embedding_bag_forward_only",
+        # writes of a source into self
+        "index_copy", "index_add", "index_reduce", "index_put", "_index_put_impl",
+        "_unsafe_masked_index_put_accumulate", "put",
+        # histograms
+        "histogram", "_histogramdd_bin_edges", "_histogramdd_from_bin_tensors",
+        "_histogramdd_from_bin_cts",
+    }
+)  # fmt: skip
+
+
+def dtypes_checked_by_cpu(op) -> bool:
+    """Whether ``op``'s CPU kernel checks dtypes its meta kernel does not (Note [Dtype
+    checks only the CPU kernels make]); in-place variants are named with a trailing _."""
+    return op._schema.name.split("::")[-1].rstrip("_") in _DTYPES_CHECKED_BY_CPU
+
+
+def check_dtypes_as_cpu(op, info: SchemaInfo, margs: list) -> None:
+    """Raise the CPU kernel's error for a call mixing dtypes it refuses (Note [Dtype
+    checks only the CPU kernels make])."""
+    if not dtypes_checked_by_cpu(op):
+        return
+    leaves = torch.utils._pytree.tree_leaves(margs)
+    if len({t.dtype for t in leaves if isinstance(t, torch.Tensor)}) < 2:
+        return
+    args, kwargs = info.split(margs)
+    error = _as_on_cpu(op, args, kwargs, None, _DTYPE_REPLAY_ELEMENTS)
+    if error is not None:
+        raise name_op(error, op) from None
+
+
 # Below this many elements, a call the meta kernel rejected is replayed on CPU zeros.
 _CPU_REPLAY_ELEMENTS = 1 << 20
+# The dtype checks replay calls of any size a host holds easily: most of them fail at
+# once, and the others run once per signature.
+_DTYPE_REPLAY_ELEMENTS = 1 << 26
 
 
-def _as_on_cpu(op, args, kwargs, meta_error: Exception) -> Exception:
-    """The exception the CPU kernel raises for this call, or ``meta_error``."""
+def _as_on_cpu(
+    op, args, kwargs, meta_error: Exception | None, limit: int = _CPU_REPLAY_ELEMENTS
+) -> Exception | None:
+    """The exception the CPU kernel raises for this call (of at most ``limit``
+    elements), or ``meta_error``."""
     leaves = [
         t for t in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)
     ]
-    if sum(t.numel() for t in leaves) > _CPU_REPLAY_ELEMENTS:
+    if sum(t.numel() for t in leaves) > limit:
         return meta_error
 
     def on_cpu(value):

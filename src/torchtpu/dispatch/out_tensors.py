@@ -30,7 +30,25 @@ _NO_OVERLAP_AT_ALL = frozenset(
 
 # The CPU kernels that take only out tensors of the result's own dtype, where the others
 # take any dtype the result can be cast to; their meta kernels leave the check out.
-_OUT_DTYPE_EXACT = frozenset({"complex", "polar", "multinomial", "aminmax"})
+# Found as the dtype checks of meta.py (Note [Dtype checks only the CPU kernels make]),
+# with a float64 out tensor for a float32 result.
+_OUT_DTYPE_EXACT = frozenset(
+    {
+        "complex", "polar", "multinomial", "aminmax", "amax", "amin",
+        # elementwise
+        "neg", "round", "conj_physical", "nan_to_num", "heaviside", "gelu", "softplus",
+        "softshrink", "hardshrink", "log_sigmoid_forward", "renorm",
+        # indexing and shapes
+        "index_select", "index_copy", "index_add", "take", "masked_select", "slice_scatter",
+        "scatter_reduce", "diag", "diag_embed", "tril", "triu", "unfold_copy",
+        # reductions, scans, sorting
+        "softmax", "_softmax", "logcumsumexp", "_logcumsumexp", "histc", "sort", "msort", "avg_pool3d",
+        # linear algebra
+        "cross", "linalg_cross", "ormqr", "lu_solve", "linalg_lu_solve", "linalg_solve",
+        "_linalg_solve_ex", "linalg_solve_triangular", "linalg_ldl_solve", "_linalg_eigh",
+        "linalg_eigvalsh",
+    }
+)  # fmt: skip
 
 _OVERLAP_MESSAGE = (
     "unsupported operation: some elements of the input tensor and the written-to tensor "
