@@ -59,6 +59,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from torchtpu import dtypes
+from torchtpu.dispatch.signature import hashable, plain
 from torchtpu.observe.locations import user_frame
 from torchtpu.ops.registry import lowers
 from torchtpu.runtime import jax
@@ -109,7 +110,7 @@ def jax_op(
         return functools.partial(jax_op, name=name, traced=traced, backward=backward)
     function = JaxFunction(fn, name=name, traced=tuple(traced), backward=backward)
 
-    # A plain function (what Dynamo's allow_in_graph expects), carrying its ops.
+    # A plain function (what Dynamo marks as an opaque call, `_mark`), carrying its ops.
     @functools.wraps(fn)
     def call(*args, **kwargs):
         return function(*args, **kwargs)
@@ -185,7 +186,7 @@ class JaxFunction:
         except TypeError as exc:
             raise TypeError(f"jax_op {self.qualname}: {exc}") from None
         tree_util = jax().tree_util
-        tensors, numbers, leaves, names, trees, shown = [], [], [], [], [], []
+        tensors, numbers, leaves, names, trees, statics = [], [], [], [], [], []
         n_positional = len(tree_util.tree_leaves(bound.args))
         for pname, value in bound.arguments.items():
             flat, tree = tree_util.tree_flatten(value)
@@ -200,7 +201,7 @@ class JaxFunction:
                     numbers.append(leaf)
                 else:
                     leaves.append(("s", _static(self, pname, leaf)))
-                    shown.append(f"{pname}={leaf!r}")
+                    statics.append((pname, leaf))
         spec = _Spec(tuple(names), tuple(trees), tuple(leaves), n_positional)
         spec_id = self._spec_ids.get(spec)
         if spec_id is None:
@@ -209,7 +210,8 @@ class JaxFunction:
                 if spec_id is None:
                     # Its number, then what it holds, for the recompile warning to show.
                     self.specs.append(spec)
-                    spec_id = f"{len(self.specs) - 1}: {', '.join(shown)}"[:_SHOWN]
+                    shown = ", ".join(f"{n}={v!r}" for n, v in statics)
+                    spec_id = f"{len(self.specs) - 1}: {shown}"[:_SHOWN]
                     self._spec_ids[spec] = spec_id
         return tensors, numbers, spec_id
 
@@ -225,7 +227,7 @@ class JaxFunction:
             elif kind == "n":
                 values.append(numbers[payload])
             else:
-                values.append(_unstatic(payload))
+                values.append(plain(payload))
         leaves = iter(values)
         arguments = {}
         for pname, tree in zip(spec.names, spec.trees):
@@ -296,7 +298,8 @@ class JaxFunction:
         for i in diff:
             a = arrays[i]
             g = by_tensor.get(i)
-            out.append(jx.numpy.zeros(a.shape, a.dtype) if g is None else g.astype(a.dtype))
+            g = jx.numpy.zeros(a.shape, a.dtype) if g is None else jx.numpy.asarray(g, a.dtype)
+            out.append(jx.numpy.broadcast_to(g, a.shape))
         return out
 
     # -- shapes: jax.eval_shape, once per signature ---------------------------------------
@@ -474,8 +477,12 @@ def _mark(function: Callable) -> None:
     tuples of them only, not a dict)."""
     from torch._dynamo import trace_rules
 
+    nonstrict = getattr(trace_rules, "_nonstrict_trace_callable_ids", None)
+    if nonstrict is None:  # a torch without nonstrict_trace: tensor outputs only
+        torch._dynamo.allow_in_graph(function)
+        return
     trace_rules._allowed_callable_ids.add(id(function))
-    trace_rules._nonstrict_trace_callable_ids.add(id(function))
+    nonstrict.add(id(function))
 
 
 # -- helpers -------------------------------------------------------------------------------
@@ -483,8 +490,8 @@ def _mark(function: Callable) -> None:
 
 def _static(function: JaxFunction, pname: str, leaf):
     """A static leaf as a key element: 1, 1.0 and True differ (Note [Static and traced
-    numbers])."""
-    value = (type(leaf), leaf) if type(leaf) in _NUMBERS else leaf
+    numbers]), as in the dispatcher's keys."""
+    value = hashable(leaf) if type(leaf) in _NUMBERS else leaf
     try:
         hash(value)
     except TypeError:
@@ -492,12 +499,6 @@ def _static(function: JaxFunction, pname: str, leaf):
             f"jax_op {function.qualname}: argument {pname!r} holds a {type(leaf).__name__}, "
             "which is neither a tensor, a number nor hashable (static values must be hashable)"
         ) from None
-    return value
-
-
-def _unstatic(value):
-    if type(value) is tuple and len(value) == 2 and value[0] in _NUMBERS:
-        return value[1]
     return value
 
 
