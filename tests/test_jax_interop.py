@@ -57,6 +57,16 @@ def round_ste(x):
     return jnp.round(x)
 
 
+def _weighted_backward(grad_out, x, *rest, weight):
+    return (grad_out * weight, *[2 * grad_out * weight for _ in rest])
+
+
+@torchtpu.jax_op(backward=_weighted_backward)
+def weighted_sum(x, *rest, weight):
+    """Varargs and a keyword-only tensor: a user's backward covers the positional ones."""
+    return (x + 2 * sum(rest)) * weight
+
+
 @jax.custom_vjp
 def _clip_gradient(x):
     return x
@@ -335,6 +345,25 @@ def test_a_user_given_backward_is_used():
     assert_same(y, torch.tensor([0.0, 2.0, -3.0]))
     (y * torch.tensor([1.0, 2.0, 3.0], device="tpu")).sum().backward()
     assert_same(xt.grad, torch.tensor([1.0, 2.0, 3.0]))
+
+
+def test_a_user_backward_gets_varargs_and_keywords():
+    x, y, z = (tpu(torch.full((3,), float(i))).requires_grad_() for i in (1, 2, 3))
+    w = tpu(torch.tensor([1.0, 2.0, 3.0])).requires_grad_()
+    out = weighted_sum(x, y, z, weight=w)
+    assert_same(out, torch.tensor([11.0, 22.0, 33.0]))
+    out.sum().backward()
+    assert_same(x.grad, torch.tensor([1.0, 2.0, 3.0]))
+    assert_same(z.grad, torch.tensor([2.0, 4.0, 6.0]))
+    assert_same(w.grad, torch.zeros(3))  # a keyword tensor: no gradient from a user backward
+
+
+def test_the_custom_op_passes_torch_opcheck():
+    """torch's own checks of a custom op: schema, fake kernel, autograd registration."""
+    x, y = _data(3, 4).requires_grad_(), _data(3, 4, seed=1).requires_grad_()
+    tensors, numbers, spec = sin_mul.jax_function._flatten((x, y), {"scale": 1.5})
+    results = torch.library.opcheck(sin_mul.op, (tensors, numbers, spec))
+    assert set(results.values()) == {"SUCCESS"}, results
 
 
 def test_jax_custom_vjp_is_respected():

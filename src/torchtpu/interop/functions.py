@@ -69,6 +69,7 @@ __all__ = ["JaxFunction", "jax_op"]
 NAMESPACE = "torchtpu_jax"
 _SHOWN = 120  # characters of a spec's name that show its static values
 _NUMBERS = (bool, int, float)
+_KEYWORDS = (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.VAR_KEYWORD)
 
 _library: torch.library.Library | None = None
 
@@ -151,6 +152,16 @@ class JaxFunction:
                     inspect.Parameter("kwargs", inspect.Parameter.VAR_KEYWORD),
                 ]
             )
+        params = list(self.signature.parameters.values())
+        positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        # What a call of positional arguments only may bind without inspect (`_bind`).
+        self._positional = [p.name for p in params if p.kind in positional]
+        self._required = sum(
+            1 for p in params if p.kind in positional and p.default is inspect.Parameter.empty
+        )
+        self._simple = all(
+            p.kind in positional or p.default is not inspect.Parameter.empty for p in params
+        ) and not any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params)
         unknown = self.traced - set(self.signature.parameters)
         if unknown:
             raise TypeError(f"jax_op: traced= names {sorted(unknown)}, not arguments of {fn!r}")
@@ -161,6 +172,7 @@ class JaxFunction:
         self._spec_ids: dict[_Spec, str] = {}
         self._lock = threading.Lock()
         self._abstract: dict = {}
+        self._trees: dict = {}
         self._cpu: dict = {}
         self.op, self.vjp_op = _define(self, name)
 
@@ -177,21 +189,39 @@ class JaxFunction:
                 "says where the function runs)"
             )
         outputs = self.op(tensors, numbers, spec)
-        _, out_tree = self.abstract(spec, _avals(tensors), numbers)
+        key = (spec, tuple((t.shape, t.dtype) for t in tensors), tuple(map(type, numbers)))
+        out_tree = self._trees.get(key)
+        if out_tree is None:
+            out_tree = self._trees[key] = self.abstract(spec, _avals(tensors), numbers)[1]
         return jax().tree_util.tree_unflatten(out_tree, list(outputs))
 
-    def _flatten(self, args, kwargs):
+    def _bind(self, args, kwargs):
+        """``(parameter name -> value, how many of them make up the positional
+        arguments)``, as ``inspect.BoundArguments`` has them."""
+        if not kwargs and self._simple and self._required <= len(args) <= len(self._positional):
+            return dict(zip(self._positional, args)), len(args)
         try:
             bound = self.signature.bind(*args, **kwargs)
         except TypeError as exc:
             raise TypeError(f"jax_op {self.qualname}: {exc}") from None
+        n = 0
+        for p in self.signature.parameters.values():
+            if p.kind in _KEYWORDS or p.name not in bound.arguments:
+                break
+            n += 1
+        return bound.arguments, n
+
+    def _flatten(self, args, kwargs):
+        arguments, n_args = self._bind(args, kwargs)
         tree_util = jax().tree_util
         tensors, numbers, leaves, names, trees, statics = [], [], [], [], [], []
-        n_positional = len(tree_util.tree_leaves(bound.args))
-        for pname, value in bound.arguments.items():
+        n_positional = 0
+        for position, (pname, value) in enumerate(arguments.items()):
             flat, tree = tree_util.tree_flatten(value)
             names.append(pname)
             trees.append(tree)
+            if position < n_args:
+                n_positional += len(flat)
             for leaf in flat:
                 if isinstance(leaf, torch.Tensor):
                     leaves.append(("t", len(tensors)))
