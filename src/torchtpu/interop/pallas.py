@@ -28,7 +28,8 @@ from torchtpu.runtime import jax, platform
 __all__ = ["softmax"]
 
 # Rows per block: a multiple of 8, as TPU tiles are (8, 128); the block's last dim is
-# the whole row, which Mosaic accepts whatever its length.
+# the whole row, which Mosaic accepts whatever its length (as it accepts a block of all
+# the rows when there are fewer than 8).
 BLOCK_ROWS = 8
 
 
@@ -55,11 +56,12 @@ def _rowwise(kernel, *arrays):
     from jax.experimental import pallas as pl
 
     rows, cols = arrays[0].shape
-    block = pl.BlockSpec((BLOCK_ROWS, cols), lambda i: (i, 0))
+    block_rows = min(BLOCK_ROWS, rows)  # fewer rows: one block of all of them
+    block = pl.BlockSpec((block_rows, cols), lambda i: (i, 0))
     return pl.pallas_call(
         kernel,
         out_shape=jax().ShapeDtypeStruct(arrays[0].shape, arrays[0].dtype),
-        grid=(pl.cdiv(rows, BLOCK_ROWS),),
+        grid=(pl.cdiv(rows, block_rows),),
         in_specs=[block] * len(arrays),
         out_specs=block,
         interpret=_interpret(),
