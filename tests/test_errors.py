@@ -122,7 +122,9 @@ def _float_variants(op):
     for sample in list(op.sample_inputs("cpu", torch.float32))[:4]:
         flat, spec = tree_flatten((sample.input, sample.args, sample.kwargs))
         floats = [
-            k for k, v in enumerate(flat) if isinstance(v, torch.Tensor) and v.dtype == torch.float32
+            k
+            for k, v in enumerate(flat)
+            if isinstance(v, torch.Tensor) and v.dtype == torch.float32
         ]
         for k in floats[1:]:
             yield flat, spec, "mix", k
@@ -187,6 +189,8 @@ def test_what_the_cpu_accepts_of_mixed_dtypes_still_works():
 def test_mixed_dtype_errors_name_the_op():
     target = torch.zeros(3, 2, device="tpu")
     with pytest.raises(RuntimeError, match=r"aten\.index_add_?\.default.*same scalar type"):
-        target.index_add_(0, torch.tensor([0], device="tpu"), torch.ones(1, 2, device="tpu").double())
+        target.index_add_(
+            0, torch.tensor([0], device="tpu"), torch.ones(1, 2, device="tpu").double()
+        )
     with pytest.raises(RuntimeError, match=r"aten\.mm\.default.*same dtype"):
         torch.mm(target, torch.ones(2, 2, dtype=torch.float64, device="tpu"))

@@ -416,6 +416,17 @@ def test_torch_compile_has_no_graph_break():
     assert torchtpu.metrics()["compiles"]["graph"] == 2  # forward and backward
 
 
+def test_torch_compile_with_changing_numbers():
+    """Note [Numbers under torch.compile]: Dynamo's symbolic floats are specialized."""
+    import torchtpu.compile.backend  # noqa: F401
+
+    x = tpu(_data(4))
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x, s: scaled(x, s) + static_scaled(x, s), backend="tpu")
+    for s in (2.0, 3.0, 0.5):
+        assert_same(compiled(x, s), _data(4) * s * 2)
+
+
 def test_torchtpu_jit_step():
     w0, x = _data(3, 5), _data(8, 3)
     wt, xt = tpu(w0).requires_grad_(), tpu(x)

@@ -302,6 +302,27 @@ def test_load_with_map_location(saved_on, name, weights_only):
     assert not loaded["weight"].requires_grad
 
 
+@pytest.mark.parametrize("map_location", [None, "tpu", "cpu"])
+@pytest.mark.parametrize("saved_on", ["cpu", "tpu"])
+def test_saved_views_share_their_storage_after_loading(saved_on, map_location):
+    b = torch.arange(6.0).reshape(2, 3).to(saved_on)
+    saved = {"row": b[1], "b": b, "t": b.t(), "other": torch.ones(3).to(saved_on)}
+    buffer = io.BytesIO()
+    torch.save(saved, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, map_location=map_location)
+    expected_device = map_location or saved_on
+    assert {v.device.type for v in loaded.values()} == {expected_device}
+    loaded["b"].add_(10)
+    loaded["row"].mul_(2)
+    cpu = torch.arange(6.0).reshape(2, 3).add_(10)
+    cpu[1].mul_(2)
+    assert torch.equal(loaded["b"].cpu(), cpu)
+    assert torch.equal(loaded["t"].cpu(), cpu.t())
+    assert torch.equal(loaded["row"].cpu(), cpu[1])
+    assert torch.equal(loaded["other"].cpu(), torch.ones(3))
+
+
 def test_load_state_dict_to_tpu():
     torch.manual_seed(0)
     cpu_model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
@@ -456,7 +477,9 @@ def _indexing_cases():
         "two indices": lambda a: a[torch.tensor([0, 2]), torch.tensor([1, 3])],
         "0-d index": lambda a: a[torch.tensor(1), torch.tensor([0, 3])],
         "set index": lambda a: a.__setitem__(torch.tensor([0, 2]), 5.0) or a,
-        "set mask": lambda a: a.__setitem__(torch.tensor([False, True, True]), torch.tensor(7.0)) or a,
+        "set mask": lambda a: (
+            a.__setitem__(torch.tensor([False, True, True]), torch.tensor(7.0)) or a
+        ),
         "index_put_ accumulate": lambda a: a.index_put_(
             (torch.tensor([0, 0]),), torch.ones(4, device=a.device), accumulate=True
         ),
@@ -486,6 +509,86 @@ def test_mask_of_the_wrong_shape_raises(device):
         torch.ones(5, 4, 3, device=device)[torch.tensor([True], device=device)]
     with pytest.raises(IndexError, match=r"mask \[2\] at index 0 .* tensor \[5, 4, 3\] at index 1"):
         torch.ones(5, 4, 3, device=device)[:, torch.tensor([True, False], device=device)]
+
+
+# -- 7. torch.compile with a changing Python float ------------------------------------------------
+
+
+def test_compiled_function_of_a_changing_float():
+    # Dynamo makes a float that changes between calls a 0-d CPU tensor input.
+    scaled = torch.compile(lambda x, s: (x * s).softmax(-1) / s, backend="tpu")
+    x = torch.randn(3, 5)
+    torchtpu.reset_metrics()
+    for temperature in (0.5, 0.7, 0.9, 1.3):
+        expected = (x * temperature).softmax(-1) / temperature
+        torch.testing.assert_close(scaled(x.to("tpu"), temperature).cpu(), expected)
+    # Once specialized on 0.5, once with the float as an input: new values reuse it.
+    assert torchtpu.metrics()["compiles"]["graph"] == 2
+
+
+# -- 8. nn.TransformerEncoder's nested-tensor fast path ---------------------------------------
+
+
+def test_transformer_encoder_fast_path_with_a_padding_mask():
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+    encoder = torch.nn.TransformerEncoder(layer, 2).eval()
+    x = torch.randn(3, 5, 8)
+    pad = torch.tensor([[False] * 5, [False] * 3 + [True] * 2, [False] * 1 + [True] * 4])
+    with torch.no_grad():
+        expected = encoder(x, src_key_padding_mask=pad)  # nested on the CPU: pads are 0
+        encoder.to("tpu")
+        actual = encoder(x.to("tpu"), src_key_padding_mask=pad.to("tpu")).cpu()
+    assert actual.shape == expected.shape
+    keep = ~pad
+    torch.testing.assert_close(actual[keep], expected[keep], atol=1e-5, rtol=1e-5)
+    assert torch.isfinite(actual).all()
+    forced = torch.nn.TransformerEncoder(layer, 2, mask_check=False).eval().to("tpu")
+    with torch.no_grad(), pytest.raises(NotImplementedError, match="nested tensors are not"):
+        forced(x.to("tpu"), src_key_padding_mask=pad.to("tpu"))
+
+
+@pytest.mark.parametrize("norm_first", [False, True])
+@pytest.mark.parametrize("activation", ["relu", "gelu"])
+def test_encoder_layer_fast_path_runs_on_tpu(norm_first, activation):
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(
+        16, 2, 32, dropout=0.0, activation=activation, norm_first=norm_first, batch_first=True
+    ).eval()
+    x = torch.randn(2, 6, 16)
+    pad = torch.tensor([[False] * 6, [False] * 4 + [True] * 2])
+    causal = torch.nn.Transformer.generate_square_subsequent_mask(6)
+    with torch.no_grad():
+        expected = [layer(x), layer(x, src_key_padding_mask=pad), layer(x, src_mask=causal)]
+        layer.to("tpu")
+        xt = x.to("tpu")
+        torchtpu.reset_metrics()
+        actual = [
+            layer(xt),
+            layer(xt, src_key_padding_mask=pad.to("tpu")),
+            layer(xt, src_mask=causal.to("tpu")),
+        ]
+    for a, e in zip(actual, expected):
+        torch.testing.assert_close(a.cpu(), e, atol=1e-5, rtol=1e-5)
+    assert torchtpu.metrics()["decomposed"]["aten._transformer_encoder_layer_fwd.default"] == 3
+
+
+@pytest.mark.parametrize("need_weights", [False, True])
+def test_multihead_attention_fast_path_runs_on_tpu(need_weights):
+    torch.manual_seed(0)
+    mha = torch.nn.MultiheadAttention(16, 4, batch_first=True).eval()
+    x = torch.randn(3, 5, 16)
+    pad = torch.tensor([[False] * 5, [False] * 3 + [True] * 2, [False] + [True] * 4])
+    with torch.no_grad():
+        expected = mha(x, x, x, key_padding_mask=pad, need_weights=need_weights)
+        mha.to("tpu")
+        xt = x.to("tpu")  # one tensor as query, key and value: self-attention's fast path
+        actual = mha(xt, xt, xt, key_padding_mask=pad.to("tpu"), need_weights=need_weights)
+    torch.testing.assert_close(actual[0].cpu(), expected[0], atol=1e-5, rtol=1e-5)
+    if need_weights:
+        torch.testing.assert_close(actual[1].cpu(), expected[1], atol=1e-5, rtol=1e-5)
+    else:
+        assert actual[1] is None and expected[1] is None
 
 
 # -- 9. torch.Generator(device="tpu") ---------------------------------------------------------
@@ -533,7 +636,8 @@ def test_tpu_generator_leaves_the_device_generator_alone():
 
     copy = pickle.loads(pickle.dumps(h))
     assert torch.equal(
-        torch.rand(3, device="tpu", generator=h).cpu(), torch.rand(3, device="tpu", generator=copy).cpu()
+        torch.rand(3, device="tpu", generator=h).cpu(),
+        torch.rand(3, device="tpu", generator=copy).cpu(),
     )
 
 
@@ -543,7 +647,9 @@ def test_cpu_generators_are_unchanged():
     a = torch.randn(3, generator=torch.Generator().manual_seed(5))
     b = torch.randn(3, generator=torch._C.Generator().manual_seed(5))
     assert torch.equal(a, b)
-    with pytest.raises(RuntimeError, match="Expected a 'tpu' device type for generator but found 'cpu'"):
+    with pytest.raises(
+        RuntimeError, match="Expected a 'tpu' device type for generator but found 'cpu'"
+    ):
         torch.randn(2, device="tpu", generator=torch.Generator())
 
 
@@ -554,7 +660,9 @@ def test_cpu_generators_are_unchanged():
 def test_sparse_embedding_gradient_is_a_clear_error_and_the_program_goes_on():
     embedding = torch.nn.Embedding(10, 3, sparse=True).to("tpu")
     embedding(torch.tensor([1, 2], device="tpu")).sum().backward()
-    with pytest.raises(NotImplementedError, match=r"sparse layouts \(torch.sparse_coo\) .* sparse=False"):
+    with pytest.raises(
+        NotImplementedError, match=r"sparse layouts \(torch.sparse_coo\) .* sparse=False"
+    ):
         (torch.ones(2, device="tpu") * 2).cpu()
     assert embedding.weight.grad is None
     # The program is usable: the next ops and a dense embedding's backward work.

@@ -237,8 +237,7 @@ def state_of(generator, op) -> _State:
     found = _by_tag.get(_TorchGenerator.initial_seed(generator))
     if found is None:
         raise RuntimeError(
-            f"{op}: Expected a 'tpu' device type for generator but found "
-            f"'{generator.device.type}'"
+            f"{op}: Expected a 'tpu' device type for generator but found '{generator.device.type}'"
         )
     return found._state
 

@@ -15,8 +15,10 @@ allocator to call. torch's loader, though, restores every saved *storage* first
   tpu device it is meant for; torch's ``_rebuild_tensor`` is wrapped so that a tensor
   built on a marked storage moves there. (torch offers no hook between restoring a
   storage and building the tensor on it; the wrapper changes nothing for any other
-  storage.) Each loaded tensor is its own tpu tensor: tensors that shared a storage in
-  the file do not alias after loading, as tpu tensors saved from the device never do.
+  storage.)
+- Either way, tensors that shared a storage in the file share one tpu storage after
+  loading (`to_tpu_sharing`), as on the CPU: ``{"b": b, "v": b[2:]}`` loads as a tensor
+  and its view.
 
 Nothing here imports JAX.
 """
@@ -56,9 +58,46 @@ def rebuild_tpu_tensor(data: torch.Tensor, dtype, location: str, requires_grad: 
             )
             tensor.requires_grad = requires_grad
             return tensor
-    tensor = data.to(dtype=dtype, device=target)
+    if data.device.type == "tpu":  # its storage was mapped to tpu: moved already
+        tensor = data.to(dtype=dtype, device=target)
+    elif torch.device(target).type == "tpu":
+        tensor = to_tpu_sharing(data, target)
+    else:
+        tensor = data.to(dtype=dtype, device=target)  # on the CPU: views of the image
     tensor.requires_grad = requires_grad
     return tensor
+
+
+# Attribute of a loaded CPU storage: its copy on tpu, per (device, dtype).
+_ON_TPU = "_torchtpu_on_tpu"
+
+
+def to_tpu_sharing(data: torch.Tensor, target) -> torch.Tensor:
+    """The loaded CPU tensor ``data`` on tpu device ``target``, sharing a tpu storage
+    with every other tensor loaded from the same storage, as they share theirs on the
+    CPU (Note [Saving views] in tensor.py). A tensor that is its whole storage (a
+    parameter) is moved as it is; the others are views of the storage's copy."""
+    storage = data.untyped_storage()
+    copies = getattr(storage, _ON_TPU, None)
+    if copies is None:
+        copies = {}
+        setattr(storage, _ON_TPU, copies)
+    key = (str(target), data.dtype)
+    whole = copies.get(key)
+    covers = (
+        data.storage_offset() == 0
+        and data.is_contiguous()
+        and data.numel() * data.element_size() == storage.nbytes()
+    )
+    if whole is None and covers:
+        whole = copies[key] = data.to(target)
+        return whole
+    if whole is None:
+        flat = torch.empty(0, dtype=data.dtype).set_(
+            storage, 0, (storage.nbytes() // data.element_size(),), (1,)
+        )
+        whole = copies[key] = flat.to(target)
+    return whole.as_strided(data.shape, data.stride(), data.storage_offset()).detach()
 
 
 def _tag(storage) -> None:
@@ -94,7 +133,7 @@ _torch_rebuild_tensor = None
 def _rebuild_tensor(storage, storage_offset, size, stride):
     tensor = _torch_rebuild_tensor(storage, storage_offset, size, stride)
     target = getattr(storage._untyped_storage, _TARGET, None)
-    return tensor if target is None else tensor.to(target)
+    return tensor if target is None else to_tpu_sharing(tensor, target)
 
 
 def register() -> None:

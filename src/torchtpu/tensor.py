@@ -9,6 +9,7 @@ device) and routes every aten op to ``__torch_dispatch__``; the data lives in a
 from __future__ import annotations
 
 import copy
+import weakref
 
 import torch
 from torch._tensor_str import (
@@ -209,14 +210,14 @@ class TPUTensor(torch.Tensor):
         return new
 
     def __reduce_ex__(self, protocol):
-        # Save the values, not the Storage object: a loaded tensor is a fresh tpu tensor.
-        # (Rebuilt by torchtpu's function rather than torch's
+        # Save the values as a CPU tensor on an image of the whole storage (Note [Saving
+        # views]). (Rebuilt by torchtpu's function rather than torch's
         # _rebuild_device_tensor_from_cpu_tensor, which refuses a callable map_location.)
         from torchtpu.serialization import rebuild_tpu_tensor
 
         rebuilt = (
             rebuild_tpu_tensor,
-            (self.detach().cpu(), self.dtype, str(self.device), self.requires_grad),
+            (_saved_values(self), self.dtype, str(self.device), self.requires_grad),
         )
         if getattr(self, "_is_param", False):
             return (torch._utils._rebuild_parameter, (_Reduced(rebuilt), self.requires_grad, {}))
@@ -233,6 +234,40 @@ def to_dlpack(tensor: torch.Tensor):
     if isinstance(tensor, TPUTensor):
         return tensor.__dlpack__()
     return _torch_to_dlpack(tensor)
+
+
+# Note [Saving views]
+#     torch.save keeps tensors that share a storage sharing it in the file (a CPU
+#     tensor pickles as its storage, saved once, and its offset, size and strides), and
+#     torch.load rebuilds them as views of one storage. A tpu tensor pickles as a CPU
+#     tensor on a host *image* of its whole storage, made once per storage and write
+#     (held weakly: only while the save runs), so its views share that image in the
+#     file; serialization.py maps the loaded image back to one tpu storage.
+_host_images: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _saved_values(t: TPUTensor) -> torch.Tensor:
+    """``t``'s values as a view of the CPU image of its storage (Note [Saving views])."""
+    storage = t._storage
+    entry = _host_images.get(storage)
+    image = entry[1]() if entry is not None and entry[0] == storage.version else None
+    if image is None:
+        covers = (
+            t.storage_offset() == 0
+            and t.shape == storage.shape
+            and t.is_contiguous()
+            and storage.strides == tuple(t.stride())
+        )
+        if covers:
+            image = t.detach().cpu().reshape(-1)
+        else:
+            extent = 1 + sum((n - 1) * s for n, s in zip(storage.shape, storage.strides))
+            if 0 in storage.shape:
+                extent = 0
+            base = TPUTensor(storage, (), storage.shape, storage.strides, 0, storage.dtype)
+            image = base.detach().as_strided((extent,), (1,), 0).cpu()
+        _host_images[storage] = (storage.version, weakref.ref(image))
+    return image.as_strided(t.shape, t.stride(), t.storage_offset())
 
 
 def backward_on_calling_thread() -> None:

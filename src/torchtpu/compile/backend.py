@@ -30,11 +30,13 @@ from torch._dynamo.backends import registry as _registry
 from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.backends.registry import register_backend
 
+from torchtpu import dtypes
 from torchtpu.compile import handles
 from torchtpu.compile.program import Program, tensor_of
 from torchtpu.dispatch import backward_errors
 from torchtpu.dispatch.values import materialize
 from torchtpu.interop import functions as jax_functions
+from torchtpu.runtime import jax
 from torchtpu.tensor import TPUTensor
 
 
@@ -81,6 +83,12 @@ def _compile_graph(gm: torch.fx.GraphModule, example_inputs):
             if handles.is_handle(a):
                 static.append(a.dtype)
                 arrays.append(handles.array_of(a))
+            elif isinstance(a, torch.Tensor) and a.device.type == "cpu" and a.dim() == 0:
+                # A Python number Dynamo made a graph input (a float that changed
+                # between calls: a temperature, a scale): a traced 0-d input, so a new
+                # value does not recompile. 0-d tensors promote alike on either device.
+                static.append(a.dtype)
+                arrays.append(jax().numpy.asarray(a.item(), dtypes.to_jax(a.dtype)))
             elif isinstance(a, torch.Tensor):
                 raise RuntimeError(
                     f"torch.compile(backend='tpu'): a graph input is a {a.device} tensor "

@@ -262,8 +262,11 @@ def _decompositions() -> dict:
     if _decomposition_table is None:
         from torch._decomp import core_aten_decompositions, decomposition_table
 
+        from torchtpu.dispatch.decompositions import DECOMPOSITIONS
+
         table = dict(decomposition_table)
         table.update(core_aten_decompositions())
+        table.update(DECOMPOSITIONS)
         _decomposition_table = table
     return _decomposition_table
 

@@ -59,14 +59,17 @@ class _Queue:
         self.external_slot: dict[int, int] = {}  # id(array) -> position in externals
 
 
+# Note [A queue per thread and device]
+#     Each thread records into its own queues, so two threads running their own
+#     models never interleave ops in one chunk; and each device has its own, so a
+#     chunk's inputs and ops are all on one device (JAX runs a program on one).
+#     A value recorded in another queue is taken as that queue's output: the other
+#     queue is flushed first. Any thread may flush any queue (a value read on one
+#     thread of a tensor another made), so recording and flushing hold one lock.
+
+
 class _ThreadQueues(threading.local):
-    """Note [A queue per thread and device]
-        Each thread records into its own queues, so two threads running their own
-        models never interleave ops in one chunk; and each device has its own, so a
-        chunk's inputs and ops are all on one device (JAX runs a program on one).
-        A value recorded in another queue is taken as that queue's output: the other
-        queue is flushed first. Any thread may flush any queue (a value read on one
-        thread of a tensor another made), so recording and flushing hold one lock."""
+    """This thread's queues, by device (Note [A queue per thread and device])."""
 
     def __init__(self):
         self.by_device: dict[int, _Queue] = {}
@@ -215,16 +218,19 @@ def _flush(q: _Queue, reason: str) -> None:
         _run(q, reason)
 
 
+# Note [Where a full queue is cut]
+#     A loop that reads no value fills the queue, and XLA's compile time grows
+#     faster than a chunk's size (226 ops 2.8 s, 901 ops 31 s). Cutting where the
+#     queue happens to be full would make chunks of every phase of the loop, each
+#     compiled anew. So a full queue is cut before the last op that is the same
+#     plan as its first: the loop's body most likely starts there, the chunk holds
+#     whole iterations and starts where the next one will, and the chunks repeat
+#     (one compile). The ops after the cut stay queued, reading the values they need
+#     from the flushed part as inputs. Without such an op, all of it is flushed.
+
+
 def _flush_full(q: _Queue) -> None:
-    """Note [Where a full queue is cut]
-        A loop that reads no value fills the queue, and XLA's compile time grows
-        faster than a chunk's size (226 ops 2.8 s, 901 ops 31 s). Cutting where the
-        queue happens to be full would make chunks of every phase of the loop, each
-        compiled anew. So a full queue is cut before the last op that is the same
-        plan as its first: the loop's body most likely starts there, the chunk holds
-        whole iterations and starts where the next one will, and the chunks repeat
-        (one compile). The ops after the cut stay queued, reading the values they need
-        from the flushed part as inputs. Without such an op, all of it is flushed."""
+    """Flush a full queue, cut where the loop repeats (Note [Where a full queue is cut])."""
     with _lock:
         n = len(q.plans)
         first = q.plans[0]

@@ -238,6 +238,26 @@ def _native_batch_norm(func, args, kwargs):
     )
 
 
+# Note [No nested tensors on tpu]
+#     nn.TransformerEncoder's fast path (eval, no grad, a padding mask) packs the batch
+#     into a nested tensor, whose ragged shape XLA cannot compile, and first asks
+#     whether the mask is left-aligned (its mask_check). On tpu the answer is "no", so
+#     the encoder takes its padded path, at static shapes: the same results as the CPU
+#     at every unmasked position. At masked positions the CPU's nested path returns
+#     zeros and the padded path (the CPU's too, with grad or in training) whatever the
+#     layers computed there. Asked to pack anyway (mask_check=False), tpu refuses.
+
+
+def _not_left_aligned(func, args, kwargs) -> bool:
+    return False
+
+
+def _no_nested_tensors(func, args, kwargs):
+    from torchtpu.ops.unsupported import refuse
+
+    refuse("nested tensors", op=str(func))
+
+
 SPECIAL = {
     aten.native_batch_norm.default: _native_batch_norm,
     aten._to_copy.default: _to_copy,
@@ -257,4 +277,6 @@ SPECIAL = {
     aten.record_stream.default: lambda func, args, kwargs: None,
     aten.set_.source_Tensor: _set_source_tensor,
     aten.as_strided_scatter.default: _as_strided_scatter,
+    aten._nested_tensor_from_mask_left_aligned.default: _not_left_aligned,
+    aten._nested_tensor_from_mask.default: _no_nested_tensors,
 }

@@ -31,6 +31,13 @@ Note [Static and traced numbers]
     a temperature or a learning rate that changes every step then never recompiles.
     Everything else that is not a tensor (strings, dtypes, None) is static.
 
+Note [Numbers under torch.compile]
+    Dynamo passes a float that changed between calls as a symbolic number. A jax_op
+    specializes it to a Python number (a guard on its value), whether it is static or
+    traced: JAX needs a value or an array, and the graph would otherwise read a traced
+    0-d tensor's value. So under torch.compile a new number recompiles the graph; in
+    eager code and under ``torchtpu.jit`` a traced number never recompiles.
+
 Note [Complex gradients]
     For complex values torch's autograd passes and returns the conjugates of the
     cotangents ``jax.vjp`` takes and gives (torch: the conjugate Wirtinger derivative;
@@ -69,6 +76,8 @@ __all__ = ["JaxFunction", "jax_op"]
 NAMESPACE = "torchtpu_jax"
 _SHOWN = 120  # characters of a spec's name that show its static values
 _NUMBERS = (bool, int, float)
+# Symbolic numbers (torch.compile) and the Python type each is specialized to.
+_SYMBOLIC = {torch.SymInt: int, torch.SymFloat: float, torch.SymBool: bool}
 _KEYWORDS = (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.VAR_KEYWORD)
 
 _library: torch.library.Library | None = None
@@ -223,6 +232,8 @@ class JaxFunction:
             if position < n_args:
                 n_positional += len(flat)
             for leaf in flat:
+                if type(leaf) in _SYMBOLIC:
+                    leaf = _SYMBOLIC[type(leaf)](leaf)  # Note [Numbers under torch.compile]
                 if isinstance(leaf, torch.Tensor):
                     leaves.append(("t", len(tensors)))
                     tensors.append(leaf)

@@ -26,6 +26,11 @@ UNSUPPORTED: dict[str, str] = {
         "nn.Embedding(sparse=True) and F.embedding(..., sparse=True) make sparse "
         "gradients: use sparse=False (a dense gradient)"
     ),
+    "nested tensors": (
+        "nested tensors are not supported on tpu (XLA wants static shapes): pad the "
+        "batch and pass a padding mask instead. nn.TransformerEncoder makes them only "
+        "with mask_check=False; leave it True, or build it with enable_nested_tensor=False"
+    ),
     "as_strided: dtype view": (
         "a tensor viewed as another dtype is not supported on tpu (take as_strided of "
         "the original tensor, then view it)"
