@@ -46,6 +46,9 @@ __all__ = [
     "TPUTensor",
     "config",
     "explain",
+    "from_dlpack",
+    "from_jax",
+    "jax_op",
     "jit",
     "metrics",
     "metrics_report",
@@ -53,6 +56,7 @@ __all__ = [
     "reset_metrics",
     "set_eager_mode",
     "sync",
+    "to_jax",
     "to_tpu",
 ]
 
@@ -71,6 +75,41 @@ def jit(fn=None, *, static_argnums=()):
     from torchtpu.compile.jit import jit as _jit
 
     return _jit(fn, static_argnums=static_argnums)
+
+
+# JAX interop (torchtpu/interop/, docs/jax-interop.md). Imported on first use: the
+# dispatcher it needs imports JAX, and ``import torch`` imports this module.
+
+
+def to_jax(tensor: torch.Tensor):
+    """The value of a tpu tensor as a ``jax.Array``: no copy for a tensor that is its
+    whole storage, one for a view. See torchtpu/interop/arrays.py."""
+    from torchtpu.interop.arrays import to_jax as _to_jax
+
+    return _to_jax(tensor)
+
+
+def from_jax(array) -> torch.Tensor:
+    """A tpu tensor holding a ``jax.Array`` (no copy). See torchtpu/interop/arrays.py."""
+    from torchtpu.interop.arrays import from_jax as _from_jax
+
+    return _from_jax(array)
+
+
+def from_dlpack(obj) -> torch.Tensor:
+    """A tpu tensor from any DLPack producer or legacy capsule. See
+    torchtpu/interop/arrays.py."""
+    from torchtpu.interop.arrays import from_dlpack as _from_dlpack
+
+    return _from_dlpack(obj)
+
+
+def jax_op(fn=None, *, name=None, traced=(), backward=None):
+    """Make a function of jax arrays a differentiable function of tensors, in every mode
+    and in compiled code (``@torchtpu.jax_op``). See torchtpu/interop/functions.py."""
+    from torchtpu.interop.functions import jax_op as _jax_op
+
+    return _jax_op(fn, name=name, traced=traced, backward=backward)
 
 
 def to_tpu(obj, device: str | int | torch.device = "tpu"):

@@ -367,6 +367,7 @@ def load_runtime():
     global _dispatch
     if _dispatch is None:
         import torchtpu.compile.handles  # noqa: F401
+        import torchtpu.interop.arrays  # noqa: F401  (TPUTensor's DLPack protocol)
         from torchtpu.dispatch.core import dispatch
 
         _dispatch = dispatch
@@ -393,5 +394,9 @@ def register() -> None:
         _library.impl(name, _factory_kernel(op), "PrivateUse1")
     pinned.register(_library)
     torch.Generator = rng.Generator
+    # The legacy capsule of a tpu tensor is its jax array's (tensor.py to_dlpack).
+    from torchtpu.tensor import to_dlpack
+
+    torch.utils.dlpack.to_dlpack = torch.to_dlpack = to_dlpack
     serialization.register()
     autocast.register()

@@ -36,6 +36,8 @@ class _Hooks:
     dispatch_traced = None  # the same, for ops on traced wrappers under torch.compile
     handle_of = None  # TPUTensor -> its inner tensor for torch.compile
     unflatten = None  # (inner tensor, size, stride) -> TPUTensor
+    dlpack_capsule = None  # (TPUTensor, kwargs) -> a DLPack capsule (interop/arrays.py)
+    dlpack_device = None  # TPUTensor -> its DLPack device
 
 
 hooks = _Hooks()
@@ -126,6 +128,15 @@ class TPUTensor(torch.Tensor):
         if isinstance(new, TPUTensor):
             self._storage, self._chain, self._meta = new._storage, new._chain, new._meta
 
+    # -- DLPack: the protocol of the tensor's jax array (interop/arrays.py) ------------
+
+    def __dlpack__(self, *, stream=None, max_version=None, dl_device=None, copy=None):
+        kwargs = {"stream": stream, "max_version": max_version, "dl_device": dl_device}
+        return hooks.dlpack_capsule(self, {**kwargs, "copy": copy})
+
+    def __dlpack_device__(self):
+        return hooks.dlpack_device(self)
+
     # -- reading values ---------------------------------------------------------------
 
     def numpy(self, *, force: bool = False):
@@ -211,6 +222,18 @@ class TPUTensor(torch.Tensor):
         if getattr(self, "_is_param", False):
             return (torch._utils._rebuild_parameter, (_Reduced(rebuilt), self.requires_grad, {}))
         return rebuilt
+
+
+_torch_to_dlpack = torch._C._to_dlpack
+
+
+def to_dlpack(tensor: torch.Tensor):
+    """``torch.utils.dlpack.to_dlpack`` (the legacy capsule), which device.py installs in
+    its place: for a tpu tensor, the capsule of its jax array (``tensor.__dlpack__()``);
+    torch's C++ version would export the wrapper's empty storage, a null pointer."""
+    if isinstance(tensor, TPUTensor):
+        return tensor.__dlpack__()
+    return _torch_to_dlpack(tensor)
 
 
 # Note [Saving views]

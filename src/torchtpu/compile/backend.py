@@ -35,6 +35,7 @@ from torchtpu.compile import handles
 from torchtpu.compile.program import Program, tensor_of
 from torchtpu.dispatch import backward_errors
 from torchtpu.dispatch.values import materialize
+from torchtpu.interop import functions as jax_functions
 from torchtpu.runtime import jax
 from torchtpu.tensor import TPUTensor
 
@@ -140,6 +141,11 @@ def tpu_backend(gm: torch.fx.GraphModule, example_inputs, **options):
 # Dynamo must never trace torchtpu's own code (the dispatcher behind a graph break,
 # ``.item()``): it runs as it is, like torch's C++ kernels.
 _trace_rules.add("torchtpu")
+
+# A @torchtpu.jax_op function is one node of Dynamo's graph (Dynamo must not trace
+# JAX's pytree code); AOTAutograd traces it into its custom ops. Those made before
+# Dynamo was loaded are marked here, later ones when they are made.
+jax_functions.mark_for_dynamo()
 
 # Found through the entry point, Dynamo registers it itself once this module loads
 # (and would refuse a second registration); imported directly, it registers here.
