@@ -16,7 +16,7 @@ import types
 
 import torch
 
-from torchtpu import autocast, dtypes, pinned, rng, runtime, serialization
+from torchtpu import autocast, distributed, dtypes, pinned, rng, runtime, serialization
 from torchtpu.dispatch import modes
 from torchtpu.dispatch.modes import EagerMode, set_eager_mode
 from torchtpu.matmul_precision import Precision, precision
@@ -395,3 +395,4 @@ def register() -> None:
     torch.Generator = rng.Generator
     serialization.register()
     autocast.register()
+    distributed.register()
