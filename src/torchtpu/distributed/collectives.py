@@ -84,7 +84,9 @@ class _Program:
 
         def blocks(*xs):
             values = [x if len(s) else x[0] for x, s in zip(xs, self.in_shapes, strict=True)]
-            return tuple(r if r.ndim else r[None] for r in body(values))
+            results = body(values)
+            self.scalar_out = [r.ndim == 0 for r in results]  # set while tracing
+            return tuple(r if r.ndim else r[None] for r in results)
 
         mapped = jax.shard_map(
             blocks,
@@ -106,17 +108,15 @@ class _Program:
                 jax.make_array_from_single_device_arrays(global_shape, self.sharding, [block])
             )
         outs = self.call(*inputs)
-        return [o.addressable_data(0) for o in outs]
+        return [
+            o.addressable_data(0).reshape(()) if scalar else o.addressable_data(0)
+            for o, scalar in zip(outs, self.scalar_out, strict=True)
+        ]
 
 
 def _local(devices):
     index = runtime.jax().process_index()
     return next(d for d in devices if d.process_index == index)
-
-
-def unblock(result, shape):
-    """A program's local result back to ``shape`` (0-d results come back as (1,))."""
-    return result if len(shape) else result.reshape(())
 
 
 # -- bodies: functions of this rank's values inside shard_map ------------------------------

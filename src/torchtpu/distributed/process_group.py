@@ -113,8 +113,7 @@ class ProcessGroupTPU(ProcessGroup):
         avals = tuple((tuple(a.shape), a.dtype.name) for a in arrays)
         spec = Spec(kind, op, tuple(static), avals, self._devices(tensors))
         infos = self._agree(spec, info)
-        results = collectives.run(spec, arrays)
-        return [collectives.unblock(r, s) for r, (s, _) in zip(results, avals, strict=True)], infos
+        return collectives.run(spec, arrays), infos
 
     @staticmethod
     def _done(result) -> torch._C._distributed_c10d.Work:
