@@ -491,3 +491,85 @@ def test_metrics_count_collectives_and_bytes(checks):
     for counts, nbytes in outcome(checks, "metrics"):
         assert counts["all_reduce"] > 10 and counts["all_gather"] > 3
         assert nbytes["all_reduce"] > 0
+
+
+FAILING_RANK = (
+    PRELUDE
+    + r"""
+import time
+dist.init_process_group("tpu")
+import torchtpu
+
+x = torch.ones(2, device="tpu")
+dist.all_reduce(x)
+if dist.get_rank() == 1:
+    raise RuntimeError("rank 1 fails on purpose")
+time.sleep(1)
+dist.all_reduce(x)  # rank 0 waits here for a peer that is gone
+"""
+)
+
+
+def test_a_failing_rank_ends_the_launch_naming_it(tmp_path):
+    rc, output, seconds, _ = launch(tmp_path, FAILING_RANK, timeout=120)
+    assert rc != 0
+    assert seconds < 60, output[-3000:]
+    assert "rank 1 fails on purpose" in output
+    assert "rank      : 1" in output  # torchrun's summary names the failing rank
+
+
+STARTED_TOO_EARLY = (
+    PRELUDE
+    + r"""
+x = torch.ones(2, device="tpu")  # JAX's runtime starts as a single process
+check("init")(lambda: dist.init_process_group("tpu"))
+with open(os.path.join(os.environ["CHECK_OUT"], f"rank{os.environ['RANK']}.json"), "w") as f:
+    json.dump(results, f)
+"""
+)
+
+
+def test_init_after_jax_started_says_what_to_do(tmp_path):
+    rc, output, _, results = launch(tmp_path, STARTED_TOO_EARLY, timeout=120)
+    assert rc == 0, output[-3000:]
+    for r in (0, 1):
+        kind, message = results[r]["init"][:2]
+        assert kind == "RuntimeError" and "before any tpu tensor is created" in message
+
+
+SPAWNED = r"""
+import json, os, sys
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def worker(rank, port, out):
+    dist.init_process_group("tpu_dist", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    import torchtpu  # noqa: F401
+
+    x = torch.full((3,), float(rank + 1), device="tpu")
+    dist.all_reduce(x)
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump({"sum": x.tolist(), "backend": dist.get_backend()}, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    for name in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        os.environ.pop(name, None)
+    mp.spawn(worker, args=(int(sys.argv[1]), sys.argv[2]), nprocs=2)
+"""
+
+
+def test_mp_spawn_with_tcp_init_method(tmp_path):
+    script = tmp_path / "spawned.py"
+    script.write_text(SPAWNED)
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["PYTHONPATH"] = SRC + os.pathsep + env.get("PYTHONPATH", "")
+    cmd = [sys.executable, str(script), str(_free_port()), str(tmp_path)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    for r in (0, 1):
+        got = json.loads((tmp_path / f"rank{r}.json").read_text())
+        assert got == {"sum": [3.0, 3.0, 3.0], "backend": "tpu_dist"}

@@ -9,8 +9,10 @@ the store's host and publishes the address through the store.
 
 from __future__ import annotations
 
+import atexit
 import os
 import socket
+import sys
 from datetime import timedelta
 
 from torchtpu import config, runtime
@@ -56,7 +58,33 @@ def initialize(store, rank: int, world_size: int, timeout: timedelta) -> None:
             initialization_timeout=max(int(timeout.total_seconds()), 1),
             **kwargs,
         )
+        _exit_at_once_on_failure()
     _initialized = (world_size, rank)
+
+
+def _exit_at_once_on_failure() -> None:
+    """Note [A failing rank exits at once]
+    At exit, ``jax.distributed`` waits for every process at a shutdown barrier (up to
+    300 s). A rank leaving with an uncaught exception would wait there for peers that
+    are themselves waiting for it in a collective, and the launch would hang instead
+    of torchrun seeing the failure and stopping the others. So after an uncaught
+    exception (its traceback printed as usual) the process exits with status 1
+    before JAX's exit handler runs; a normal exit keeps the barrier."""
+    previous = sys.excepthook
+    failed = []
+
+    def hook(kind, value, tb):
+        failed.append(kind)
+        previous(kind, value, tb)
+
+    def leave() -> None:
+        if failed:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(1)
+
+    sys.excepthook = hook
+    atexit.register(leave)  # after JAX's own handler, so it runs before it
 
 
 def _coordinator(store, rank: int, timeout: timedelta) -> str:
