@@ -292,6 +292,88 @@ check("ddp_batchnorm")(lambda: ddp_run("strict", bn=True))
 check("ddp_unused")(lambda: ddp_run("strict", unused=True))
 
 
+@check("functional_collectives")
+def _():
+    import torch.distributed._functional_collectives as funcol
+
+    torchtpu.reset_metrics()
+    group = dist.group.WORLD
+    x = torch.arange(4.0, device="tpu") + R
+    out = {
+        "all_reduce": funcol.all_reduce(x, "sum", group),
+        "all_gather": funcol.all_gather_tensor(x, 0, group),
+        "reduce_scatter": funcol.reduce_scatter_tensor(x, "sum", 0, group),
+        "all_to_all": funcol.all_to_all_single(x, None, None, group),
+        "broadcast": funcol.broadcast(x, 1, group),
+    }
+    out = {k: funcol.wait_tensor(v).tolist() for k, v in out.items()}
+    return [out, torchtpu.metrics().get("fallback", {})]
+
+
+def fsdp_run():
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torchtpu.reset_metrics()
+    mesh = init_device_mesh("tpu", (N,))
+
+    def make():
+        return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+
+    torch.manual_seed(0)
+    ref = make()
+    torch.manual_seed(0)
+    model = make().to("tpu")
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=0.01)
+    gen = torch.Generator().manual_seed(123)
+    mse = torch.nn.functional.mse_loss
+    for _ in range(3):
+        x, y = torch.randn(2 * N, 4, generator=gen), torch.randn(2 * N, 2, generator=gen)
+        opt.zero_grad()
+        mse(model(x[2 * R:2 * R + 2].to("tpu")), y[2 * R:2 * R + 2].to("tpu")).backward()
+        opt.step()
+        ropt.zero_grad()
+        mse(ref(x), y).backward()
+        ropt.step()
+    full = [p.full_tensor().cpu() for p in model.parameters()]
+    local = [p.to_local().shape[0] for p in model.parameters()]
+    diff = max((a - b).abs().max().item() for a, b in zip(full, ref.parameters()))
+    return [diff, local, torchtpu.metrics().get("fallback", {})]
+
+
+check("fsdp2")(fsdp_run)
+
+
+@check("dtensor")
+def _():
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+
+    torchtpu.reset_metrics()
+    mesh = init_device_mesh("tpu", (N,))
+    torch.manual_seed(0)
+    a, b = torch.randn(4, 6), torch.randn(6, 3)
+    da = distribute_tensor(a.to("tpu"), mesh, [Shard(0)])
+    close = lambda t, ref: torch.allclose(t.cpu(), ref, atol=1e-5)
+    out = {"local": [list(da.to_local().shape), str(da.to_local().device)]}
+    out["shard_to_replicate"] = close(da.redistribute(mesh, [Replicate()]).to_local(), a)
+    db = distribute_tensor(b.to("tpu"), mesh, [Replicate()])
+    out["matmul"] = close((da @ db).full_tensor(), a @ b)
+    p = distribute_tensor(a.to("tpu"), mesh, [Shard(1)]) @ distribute_tensor(b.to("tpu"), mesh, [Shard(0)])
+    out["partial_placement"] = repr(p.placements[0])
+    out["partial_matmul"] = close(p.full_tensor(), a @ b)
+    s1 = da.redistribute(mesh, [Replicate()]).redistribute(mesh, [Shard(1)])
+    out["replicate_to_shard1"] = [list(s1.to_local().shape), close(s1.full_tensor(), a)]
+    ps = DTensor.from_local(torch.full((2,), float(R + 1), device="tpu"), mesh, [Partial()])
+    out["partial_sum"] = ps.redistribute(mesh, [Replicate()]).to_local().tolist()
+    return [out, torchtpu.metrics().get("fallback", {})]
+
+
 @check("metrics")
 def _():
     m = torchtpu.metrics()
@@ -489,8 +571,36 @@ def test_ddp_find_unused_parameters_refused_by_torch(checks):
 
 def test_metrics_count_collectives_and_bytes(checks):
     for counts, nbytes in outcome(checks, "metrics"):
-        assert counts["all_reduce"] > 10 and counts["all_gather"] > 3
-        assert nbytes["all_reduce"] > 0
+        assert counts["scatter"] >= 1 and counts["all_gather"] >= 1
+        assert nbytes["all_gather"] > 0
+
+
+def test_functional_collectives_are_lowered(checks):
+    r0, r1 = outcome(checks, "functional_collectives")
+    for r, (out, fallbacks) in enumerate((r0, r1)):
+        assert fallbacks == {}
+        assert out["all_reduce"] == [1.0, 3.0, 5.0, 7.0]
+        assert out["all_gather"] == [0.0, 1.0, 2.0, 3.0, 1.0, 2.0, 3.0, 4.0]
+        assert out["reduce_scatter"] == [[1.0, 3.0], [5.0, 7.0]][r]
+        assert out["all_to_all"] == [[0.0, 1.0, 1.0, 2.0], [2.0, 3.0, 3.0, 4.0]][r]
+        assert out["broadcast"] == [1.0, 2.0, 3.0, 4.0]
+
+
+def test_fsdp2_matches_full_batch_reference(checks):
+    for diff, local_rows, fallbacks in outcome(checks, "fsdp2"):
+        assert diff <= 1e-6
+        assert local_rows == [4, 4, 1, 1]  # each rank holds half of every parameter
+        assert fallbacks == {}
+
+
+def test_dtensor_basics(checks):
+    for out, fallbacks in outcome(checks, "dtensor"):
+        assert out["local"] == [[2, 6], "tpu:0"]
+        assert out["shard_to_replicate"] and out["matmul"] and out["partial_matmul"]
+        assert out["partial_placement"] == "Partial(sum)"
+        assert out["replicate_to_shard1"] == [[4, 3], True]
+        assert out["partial_sum"] == [3.0, 3.0]
+        assert fallbacks == {}
 
 
 FAILING_RANK = (

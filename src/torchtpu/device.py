@@ -20,11 +20,16 @@ from torchtpu import autocast, distributed, dtypes, pinned, rng, runtime, serial
 from torchtpu.dispatch import modes
 from torchtpu.dispatch.modes import EagerMode, set_eager_mode
 from torchtpu.matmul_precision import Precision, precision
+from torchtpu.streams import Event, Stream, current_stream, default_stream, set_stream, stream
 
 __all__ = [
     "EagerMode",
+    "Event",
     "Precision",
+    "Stream",
     "current_device",
+    "current_stream",
+    "default_stream",
     "device",
     "device_count",
     "get_device_name",
@@ -38,6 +43,8 @@ __all__ = [
     "set_device",
     "set_eager_mode",
     "set_rng_state",
+    "set_stream",
+    "stream",
     "synchronize",
 ]
 

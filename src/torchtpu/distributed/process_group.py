@@ -20,7 +20,7 @@ from torch._C._distributed_c10d import ProcessGroup, ReduceOp, _create_work_from
 from torchtpu import config, runtime
 from torchtpu.dispatch import defer
 from torchtpu.dispatch.values import OutMeta, contiguous, materialize, wrap
-from torchtpu.distributed import collectives
+from torchtpu.distributed import collectives, fsdp_storage, functional
 from torchtpu.distributed.collectives import Spec
 from torchtpu.runtime.transfer import to_device, to_host
 from torchtpu.tensor import TPUTensor
@@ -55,6 +55,7 @@ class ProcessGroupTPU(ProcessGroup):
         self._store = store
         self._global_ranks = tuple(global_ranks)
         self._seq = 0
+        self._group_name = self._group_desc = ""
 
     # -- names torch asks for ---------------------------------------------------------------
 
@@ -63,6 +64,24 @@ class ProcessGroupTPU(ProcessGroup):
 
     def name(self) -> str:
         return "tpu"
+
+    # torch's ProcessGroup reads its name from its C++ backends, and this group has
+    # none: functional collectives and DeviceMesh look groups up by these names.
+    def _set_group_name(self, name: str) -> None:
+        super()._set_group_name(name)
+        self._group_name = name
+
+    @property
+    def group_name(self) -> str:
+        return self._group_name
+
+    def _set_group_desc(self, desc: str) -> None:
+        super()._set_group_desc(desc)
+        self._group_desc = desc
+
+    @property
+    def group_desc(self) -> str:
+        return self._group_desc
 
     # -- the machinery ----------------------------------------------------------------------
 
@@ -74,6 +93,7 @@ class ProcessGroupTPU(ProcessGroup):
 
     def _read(self, tensors) -> list:
         """The current values of ``tensors`` as arrays on this process's device."""
+        fsdp_storage.install_if_imported()
         defer.flush("collective")
         index = next(
             (t.device.index for t in tensors if isinstance(t, TPUTensor)), runtime.current_index()
@@ -318,6 +338,8 @@ class ProcessGroupTPU(ProcessGroup):
     def recv_anysource(self, tensors, tag=0):
         raise NotImplementedError(_NO_P2P)
 
+
+functional.register()
 
 _NO_P2P = (
     "send/recv are not supported by the tpu backend: JAX's multi-process runtime runs "
