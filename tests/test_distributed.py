@@ -21,19 +21,24 @@ import pytest
 SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
 
 PRELUDE = r"""
-import json, os, sys, traceback
+import json, os, sys, time, traceback
 import torch
 import torch.distributed as dist
 
 results = {}
 
 
+seconds = {}
+
+
 def check(name):
     def record(fn):
+        start = time.perf_counter()
         try:
             results[name] = ["ok", fn()]
         except Exception as exc:  # the outcome is reported, and asserted by the test
             results[name] = [type(exc).__name__, str(exc), traceback.format_exc()[-2000:]]
+        seconds[name] = round(time.perf_counter() - start, 2)
         return fn
     return record
 
@@ -41,7 +46,7 @@ def check(name):
 def report():
     path = os.path.join(os.environ["CHECK_OUT"], f"rank{dist.get_rank()}.json")
     with open(path, "w") as f:
-        json.dump(results, f)
+        json.dump({**results, "seconds": seconds}, f)
 """
 
 CHECKS = (
@@ -227,9 +232,22 @@ def _():
     dist.all_reduce(x)
 
 
-@check("send")
+@check("send_recv")
 def _():
-    dist.send(torch.ones(1, device="tpu"), dst=1 - R)
+    # Note [send and recv] in process_group.py: the peers order their calls to match
+    x = torch.arange(3.0, device="tpu")
+    if R == 0:
+        dist.send(x + 1, dst=1)
+        dist.recv(x, src=1)
+        work = dist.isend(x[1:], dst=1)  # a view
+        work.wait()
+    else:
+        dist.recv(x, src=0)
+        dist.send(x * 2, dst=0)
+        buf = torch.zeros(2, device="tpu")
+        dist.irecv(buf, src=0).wait()
+        return [x.tolist(), buf.tolist()]
+    return [x.tolist(), None]
 
 
 class Net(torch.nn.Module):
@@ -372,6 +390,35 @@ def _():
     ps = DTensor.from_local(torch.full((2,), float(R + 1), device="tpu"), mesh, [Partial()])
     out["partial_sum"] = ps.redistribute(mesh, [Replicate()]).to_local().tolist()
     return [out, torchtpu.metrics().get("fallback", {})]
+
+
+@check("hf_causal_lm_ddp")
+def _():
+    import copy
+
+    from torchtpu.zoo import BY_NAME
+
+    arch = BY_NAME["gpt2"]
+    cpu_model = arch.build().train()
+    batch = arch.batch(cpu_model.config)
+    rows = [{k: v[i:i + 1].to("tpu") for k, v in batch.items()} for i in range(N)]
+    model = copy.deepcopy(cpu_model).to("tpu")
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    ref = copy.deepcopy(cpu_model).to("tpu")  # one process, both rows
+    ropt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for _ in range(2):
+        opt.zero_grad()
+        ddp(**rows[R]).loss.backward()
+        opt.step()
+        ropt.zero_grad()
+        for row in rows:
+            (ref(**row).loss / N).backward()
+        ropt.step()
+    pairs = zip(model.parameters(), ref.parameters())
+    before = cpu_model.parameters()
+    moved = max((p.detach().cpu() - q).abs().max().item() for p, q in zip(model.parameters(), before))
+    return [max((p - q).abs().max().item() for p, q in pairs), moved]
 
 
 @check("metrics")
@@ -538,10 +585,10 @@ def test_shape_mismatch_raises_on_each_rank(checks):
         assert "float32[2]" in message and "float32[3]" in message and f"rank {r}:" in message
 
 
-def test_send_recv_refused_clearly(checks):
-    for r in (0, 1):
-        kind, message = checks[r]["send"][:2]
-        assert kind == "NotImplementedError" and "send/recv" in message
+def test_send_recv(checks):
+    r0, r1 = outcome(checks, "send_recv")
+    assert r0 == [[2.0, 4.0, 6.0], None]
+    assert r1 == [[1.0, 2.0, 3.0], [4.0, 6.0]]
 
 
 @pytest.mark.parametrize("mode", ["strict", "defer", "debug"])
@@ -567,6 +614,12 @@ def test_ddp_find_unused_parameters_refused_by_torch(checks):
     for r in (0, 1):
         got = checks[r]["ddp_unused"]
         assert got[0] == "NotImplementedError" and "getPinnedMemoryAllocator" in got[1], got
+
+
+def test_hugging_face_causal_lm_trains_with_ddp(checks):
+    for diff, moved in outcome(checks, "hf_causal_lm_ddp"):
+        assert moved > 1e-3  # training changed the weights
+        assert diff <= 1e-6  # as one process on both rows
 
 
 def test_metrics_count_collectives_and_bytes(checks):
@@ -623,7 +676,7 @@ dist.all_reduce(x)  # rank 0 waits here for a peer that is gone
 def test_a_failing_rank_ends_the_launch_naming_it(tmp_path):
     rc, output, seconds, _ = launch(tmp_path, FAILING_RANK, timeout=120)
     assert rc != 0
-    assert seconds < 60, output[-3000:]
+    assert seconds < 30, output[-3000:]  # the requirement is 60 s; it takes ~8
     assert "rank 1 fails on purpose" in output
     assert "rank      : 1" in output  # torchrun's summary names the failing rank
 

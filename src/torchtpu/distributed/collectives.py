@@ -206,7 +206,14 @@ def _scatter(spec, n, platform):
     return body
 
 
+def _permute(spec, n, platform):
+    # point to point over a mesh of the two ranks: [0] of the mesh sends to [1] or back
+    (source, dest) = spec.static
+    return lambda xs: [_lax().ppermute(x, AXIS, perm=[(source, dest)]) for x in xs]
+
+
 _BODIES = {
+    "permute": _permute,
     "all_reduce": _all_reduce,
     "broadcast": _broadcast,
     "all_gather": _all_gather,

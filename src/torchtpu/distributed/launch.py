@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import signal
 import socket
 import sys
 from datetime import timedelta
@@ -59,6 +60,11 @@ def initialize(store, rank: int, world_size: int, timeout: timedelta) -> None:
             **kwargs,
         )
         _exit_at_once_on_failure()
+        if os.environ.get("TORCHELASTIC_RUN_ID") is not None:
+            # Note [SIGTERM under torchrun]: JAX's runtime catches SIGTERM (a notice of
+            # preemption, for its preemption sync), so a rank torchrun stops after a
+            # peer failed would live on until torchrun's SIGKILL 30 s later.
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
     _initialized = (world_size, rank)
 
 

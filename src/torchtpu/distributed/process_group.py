@@ -86,18 +86,13 @@ class ProcessGroupTPU(ProcessGroup):
     # -- the machinery ----------------------------------------------------------------------
 
     def _devices(self, tensors) -> tuple:
-        index = next(
-            (t.device.index for t in tensors if isinstance(t, TPUTensor)), runtime.current_index()
-        )
-        return collectives.group_devices(self._global_ranks, index)
+        return collectives.group_devices(self._global_ranks, _local_index(tensors))
 
     def _read(self, tensors) -> list:
         """The current values of ``tensors`` as arrays on this process's device."""
         fsdp_storage.install_if_imported()
         defer.flush("collective")
-        index = next(
-            (t.device.index for t in tensors if isinstance(t, TPUTensor)), runtime.current_index()
-        )
+        index = _local_index(tensors)
         return [
             materialize(t) if isinstance(t, TPUTensor) else to_device(t, index) for t in tensors
         ]
@@ -329,23 +324,50 @@ class ProcessGroupTPU(ProcessGroup):
     def monitored_barrier(self, timeout=None, wait_all_ranks=False):
         return self.barrier()
 
+    # Note [send and recv]: a send and its recv are one program, a ppermute over a mesh
+    # of the two ranks, which both processes enter; so a send returns when the peer has
+    # called the matching recv (as a blocking send), and a rank that sends to and
+    # receives from the same peer must order the calls to match the peer's (rank 0
+    # sends then receives, rank 1 receives then sends). A batch of isend/irecv to each
+    # other entered in the same order on both ranks waits forever.
+
     def send(self, tensors, dst, tag=0):
-        raise NotImplementedError(_NO_P2P)
+        self._point_to_point(tensors, self.rank(), dst, sending=True)
+        return self._done(list(tensors))
 
     def recv(self, tensors, src, tag=0):
-        raise NotImplementedError(_NO_P2P)
+        self._point_to_point(tensors, src, self.rank(), sending=False)
+        return self._done(list(tensors))
 
     def recv_anysource(self, tensors, tag=0):
-        raise NotImplementedError(_NO_P2P)
+        raise NotImplementedError(
+            "recv from any source is not supported by the tpu backend: a message is a "
+            "program both ranks enter, so the receiver must name the sender"
+        )
+
+    def _point_to_point(self, tensors, src: int, dst: int, sending: bool) -> None:
+        if src == dst:
+            raise ValueError(f"rank {src} cannot send to itself")
+        pair = sorted((src, dst))
+        arrays = self._read(tensors)
+        avals = tuple((tuple(a.shape), a.dtype.name) for a in arrays)
+        ranks = [self._global_ranks[r] for r in pair]
+        devices = collectives.group_devices(ranks, _local_index(tensors))
+        static = (pair.index(src), pair.index(dst))
+        results = collectives.run(Spec("permute", None, static, avals, devices), arrays)
+        if not sending:
+            for t, r in zip(tensors, results, strict=True):
+                _write(t, r)
 
 
 functional.register()
 
-_NO_P2P = (
-    "send/recv are not supported by the tpu backend: JAX's multi-process runtime runs "
-    "collectives that every process of a group enters together, not point-to-point "
-    "messages. Use a collective (broadcast, all_to_all, scatter) instead."
-)
+
+def _local_index(tensors) -> int:
+    """The tpu device the call runs on: its tensors' (CPU tensors: the current one)."""
+    return next(
+        (t.device.index for t in tensors if isinstance(t, TPUTensor)), runtime.current_index()
+    )
 
 
 def _reduce_op(opts):
