@@ -445,6 +445,38 @@ def test_views_of_uninitialised_storages_of_different_sizes():
         assert bucket[:32].sum().item() == 32
 
 
+def test_streams_and_events_are_in_order():
+    import torch
+
+    s = torch.tpu.Stream(priority=-1)
+    assert torch.tpu.current_stream() == torch.tpu.current_stream(0)
+    with torch.tpu.stream(s):
+        x = torch.ones(3, device="tpu") * 2
+    s.wait_stream(torch.tpu.current_stream())
+    start, end = torch.tpu.Event(enable_timing=True), torch.tpu.Event(enable_timing=True)
+    start.record()
+    y = (x @ x.new_ones(3, 300)).sum()
+    end.record(s)
+    torch.tpu.current_stream().wait_event(end)
+    assert y.item() == 1800.0
+    assert start.elapsed_time(end) >= 0.0 and end.query() and s.query()
+    with pytest.raises(RuntimeError, match="enable_timing"):
+        torch.tpu.Event().elapsed_time(end)
+
+
+def test_registration_starts_no_jax():
+    code = (
+        "import sys, torch, torch.distributed as dist\n"
+        "assert 'tpu' in dist.Backend.backend_list and 'tpu_dist' in dist.Backend.backend_list\n"
+        "assert dist.Backend.default_device_backend_map.get('tpu') in ('tpu', 'tpu_dist')\n"
+        "assert 'jax' not in sys.modules, 'importing torch started JAX'\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["PYTHONPATH"] = SRC + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

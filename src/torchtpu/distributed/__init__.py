@@ -15,12 +15,17 @@ JAX programs. See docs/distributed.md.
 
 from __future__ import annotations
 
-__all__ = ["BACKEND_NAMES", "register"]
+__all__ = ["BACKEND_NAMES", "CollectiveMismatchError", "register"]
 
 #: The names ``init_process_group`` accepts for this backend (``"tpu_dist"`` as TorchTPU).
 BACKEND_NAMES = ("tpu", "tpu_dist")
 
 _registered = False
+
+
+class CollectiveMismatchError(RuntimeError):
+    """Ranks of a group called different collectives (or the same one on different
+    shapes, dtypes, reduce ops or roots) at the same point. Raised on every rank."""
 
 
 def register() -> None:

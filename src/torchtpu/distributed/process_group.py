@@ -20,17 +20,12 @@ from torch._C._distributed_c10d import ProcessGroup, ReduceOp, _create_work_from
 from torchtpu import config, runtime
 from torchtpu.dispatch import defer
 from torchtpu.dispatch.values import OutMeta, contiguous, materialize, wrap
-from torchtpu.distributed import collectives, fsdp_storage, functional
+from torchtpu.distributed import CollectiveMismatchError, collectives, fsdp_storage, functional
 from torchtpu.distributed.collectives import Spec
 from torchtpu.runtime.transfer import to_device, to_host
 from torchtpu.tensor import TPUTensor
 
 __all__ = ["CollectiveMismatchError", "ProcessGroupTPU"]
-
-
-class CollectiveMismatchError(RuntimeError):
-    """Ranks of a group called different collectives (or the same one on different
-    shapes, dtypes, reduce ops or roots) at the same point."""
 
 
 def _op_name(op) -> tuple[str, tuple]:
