@@ -6,9 +6,9 @@ The key holds, per argument: for a tensor its ``_meta`` (shape, strides, offset,
 dtype, view chain), or ``(slot, _meta)`` when it shares the storage of an earlier
 argument (aliasing changes the program), or ``(None, _meta, shape, dtype)`` for an
 uninitialised storage (the plan makes its base); the Python type of each traced
-scalar; every static argument's value. It is
-built from the arguments as torch passes them, without binding them to the schema:
-`scan` is on every op's path, so it costs a few attribute reads per argument.
+scalar; every static argument's value. It is built from the arguments as torch passes
+them, without binding them to the schema: `scan` is on every op's path, so it costs a
+few attribute reads per argument.
 
 Note [Traced and static scalars]
     A Python number where the schema says Scalar (``add(x, y, alpha=2)``, an lr) is a

@@ -96,7 +96,6 @@ class _Program:
             check_vma=False,
         )
         self.call = jax.jit(mapped)
-        self.me = spec.devices.index(_local(spec.devices))
 
     def __call__(self, arrays) -> list:
         jax = runtime.jax()
@@ -112,11 +111,6 @@ class _Program:
             o.addressable_data(0).reshape(()) if scalar else o.addressable_data(0)
             for o, scalar in zip(outs, self.scalar_out, strict=True)
         ]
-
-
-def _local(devices):
-    index = runtime.jax().process_index()
-    return next(d for d in devices if d.process_index == index)
 
 
 # -- bodies: functions of this rank's values inside shard_map ------------------------------

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import functools
+import sys
 import threading
 
 from torchtpu import config
@@ -43,8 +44,6 @@ def devices() -> tuple:
 def started() -> bool:
     """Whether JAX's backend has started (after which ``jax.distributed`` cannot be
     initialised). False until a tpu tensor needed a device."""
-    import sys
-
     if "jax" not in sys.modules:
         return False
     from jax._src import xla_bridge
