@@ -91,3 +91,15 @@ max_pending_checks: int = int(os.environ.get("TORCHTPU_MAX_PENDING_CHECKS", "256
 #: variant, in Strict) or "full" (every dtype, gradients, error inputs, every mode).
 #: See harness.SCOPES; ``python -m torchtpu.conformance --scope`` takes the same names.
 conformance_scope: str = os.environ.get("TORCHTPU_CONFORMANCE", "ci").strip().lower()
+
+#: Where JAX's multi-process coordinator listens (``host:port``) when
+#: ``torch.distributed.init_process_group("tpu")`` starts it. Unset: MASTER_ADDR and
+#: MASTER_PORT + 1 (torchrun sets both), else rank 0 picks a free port on the c10d
+#: store's host and publishes it through the store (``mp.spawn`` with ``tcp://``).
+distributed_coordinator: str | None = os.environ.get("TORCHTPU_DIST_COORDINATOR") or None
+
+#: Before each collective, every rank of the group compares what it is about to run
+#: (kind, shapes, dtypes, reduce op, root) with the others' through the c10d store, so
+#: that a mismatch raises a clear error on every rank instead of a hang or garbage. It
+#: costs two store round trips per collective; off skips them.
+distributed_check: bool = _env_flag("TORCHTPU_DIST_CHECK", True)

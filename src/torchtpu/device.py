@@ -16,15 +16,20 @@ import types
 
 import torch
 
-from torchtpu import autocast, dtypes, pinned, rng, runtime, serialization
+from torchtpu import autocast, distributed, dtypes, pinned, rng, runtime, serialization
 from torchtpu.dispatch import modes
 from torchtpu.dispatch.modes import EagerMode, set_eager_mode
 from torchtpu.matmul_precision import Precision, precision
+from torchtpu.streams import Event, Stream, current_stream, default_stream, set_stream, stream
 
 __all__ = [
     "EagerMode",
+    "Event",
     "Precision",
+    "Stream",
     "current_device",
+    "current_stream",
+    "default_stream",
     "device",
     "device_count",
     "get_device_name",
@@ -38,6 +43,8 @@ __all__ = [
     "set_device",
     "set_eager_mode",
     "set_rng_state",
+    "set_stream",
+    "stream",
     "synchronize",
 ]
 
@@ -400,3 +407,4 @@ def register() -> None:
     torch.utils.dlpack.to_dlpack = torch.to_dlpack = to_dlpack
     serialization.register()
     autocast.register()
+    distributed.register()

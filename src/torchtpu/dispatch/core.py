@@ -14,10 +14,13 @@ For each op overload, once, a *handler* is chosen (`_choose`), in this order:
 4. a decomposition: torch's own CompositeImplicitAutograd definition, else one from
    ``torch._decomp``, into ops that have lowerings;
 5. for a mutating op, its functional variant's decomposition followed by ``copy_``;
+   for another library's op, its own PrivateUse1 kernel (FSDP2's ``fsdp.*`` copies);
 6. the CPU fallback (fallback.py): counted, warned once per op, or an error.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -248,7 +251,16 @@ def _choose(func):
         decomposition = _decompositions().get(functional)
         if decomposition is not None or functional in SPECIAL:
             return _functional_then_copy_handler(info, functional)
+    if func.namespace != "aten" and torch._C._dispatch_has_kernel_for_dispatch_key(
+        func.name(), "PrivateUse1"
+    ):
+        # A library's own kernel for PrivateUse1 devices, written in torch ops (FSDP2's
+        # fsdp.all_gather_copy_in, split_with_sizes_copy, chunk_cat): run it.
+        return _decomposed_handler(functools.partial(func.redispatch, _PRIVATEUSE1))
     return run_on_cpu
+
+
+_PRIVATEUSE1 = torch._C.DispatchKeySet(torch._C.DispatchKey.PrivateUse1)
 
 
 # -- computing -----------------------------------------------------------------------------

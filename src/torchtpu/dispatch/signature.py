@@ -4,10 +4,11 @@ arguments.
 
 The key holds, per argument: for a tensor its ``_meta`` (shape, strides, offset,
 dtype, view chain), or ``(slot, _meta)`` when it shares the storage of an earlier
-argument (aliasing changes the program), or ``(None, _meta)`` for an uninitialised
-storage; the Python type of each traced scalar; every static argument's value. It is
-built from the arguments as torch passes them, without binding them to the schema:
-`scan` is on every op's path, so it costs a few attribute reads per argument.
+argument (aliasing changes the program), or ``(None, _meta, shape, dtype)`` for an
+uninitialised storage (the plan makes its base); the Python type of each traced
+scalar; every static argument's value. It is built from the arguments as torch passes
+them, without binding them to the schema: `scan` is on every op's path, so it costs a
+few attribute reads per argument.
 
 Note [Traced and static scalars]
     A Python number where the schema says Scalar (``add(x, y, alpha=2)``, an lr) is a
@@ -131,7 +132,9 @@ def _new_storage(op, call, storages, arrays, key, s, meta) -> None:
     storages.append(s)
     array = s.array
     if array is None:
-        key.append((None, meta))
+        # The plan makes the missing base from the storage's shape and dtype, which a
+        # view's meta does not determine (two buckets of different sizes, one view).
+        key.append((None, meta, s.shape, s.dtype))
         return
     if type(array) is Pending and array.node_done():
         array = s.array = array.resolved()
@@ -211,7 +214,7 @@ def tensor_meta(part):
     """The ``_meta`` of a tensor's key element, else None."""
     if type(part) is tuple and len(part) == 5:
         return part
-    if type(part) is tuple and len(part) == 2 and (part[0] is None or type(part[0]) is int):
+    if type(part) is tuple and len(part) in (2, 4) and (part[0] is None or type(part[0]) is int):
         return part[1] if type(part[1]) is tuple and len(part[1]) == 5 else None
     return None
 

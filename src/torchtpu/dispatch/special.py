@@ -280,3 +280,11 @@ SPECIAL = {
     aten._nested_tensor_from_mask_left_aligned.default: _not_left_aligned,
     aten._nested_tensor_from_mask.default: _no_nested_tensors,
 }
+
+
+def register(op, handler) -> None:
+    """Give ``op`` a handler from a layer above the dispatcher (the distributed
+    package's functional collectives). Registering an op twice raises."""
+    if op in SPECIAL:
+        raise ValueError(f"{op} already has a special handler")
+    SPECIAL[op] = handler

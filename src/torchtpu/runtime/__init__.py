@@ -9,6 +9,7 @@ from torchtpu.runtime.backend import (
     jax,
     platform,
     set_current_index,
+    started,
 )
 
 __all__ = [
@@ -19,4 +20,5 @@ __all__ = [
     "jax",
     "platform",
     "set_current_index",
+    "started",
 ]

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import functools
+import sys
 import threading
 
 from torchtpu import config
@@ -32,8 +33,22 @@ def jax():
 
 @functools.cache
 def devices() -> tuple:
-    """JAX's devices of its default backend; ``tpu:i`` is ``devices()[i]``."""
-    return tuple(jax().devices())
+    """This process's JAX devices of the default backend; ``tpu:i`` is ``devices()[i]``.
+
+    With several processes (``jax.distributed``), ``jax.devices()`` lists every
+    process's devices; a process can only compute on its own, so ``tpu:0`` on rank 1
+    is rank 1's first device, as ``cuda:0`` is each process's first visible GPU."""
+    return tuple(jax().local_devices())
+
+
+def started() -> bool:
+    """Whether JAX's backend has started (after which ``jax.distributed`` cannot be
+    initialised). False until a tpu tensor needed a device."""
+    if "jax" not in sys.modules:
+        return False
+    from jax._src import xla_bridge
+
+    return xla_bridge.backends_are_initialized()
 
 
 # The index of the current device (``torch.tpu.set_device``): where ``"tpu"`` without

@@ -43,7 +43,7 @@ def to_host(array) -> torch.Tensor:
     jx = jax()
     (dev,) = array.devices()
     if dev.platform != "cpu":
-        array = jx.device_put(array, jx.devices("cpu")[0])
+        array = jx.device_put(array, jx.local_devices(backend="cpu")[0])
     host = torch.from_dlpack(array).clone()
     metrics.count("transfer_bytes", "to_host", host.numel() * host.element_size())
     return host
