@@ -167,3 +167,61 @@ def test_results_asked_for_on_the_cpu_are_cpu_tensors(make):
         torch.testing.assert_close(actual, expected)
     else:
         assert actual == expected
+
+
+# -- memory ------------------------------------------------------------------------------
+
+
+def test_memory_allocated_moves_by_a_tensors_size():
+    import gc
+
+    gc.collect()  # arrays of earlier tests, unreferenced, go now rather than mid-test
+    torch.tpu.synchronize()
+    before = torch.tpu.memory_allocated()
+    x = torch.ones(1024, 256, device="tpu")
+    assert torch.tpu.memory_allocated() - before == 1024 * 256 * 4
+    assert torch.tpu.max_memory_allocated() >= torch.tpu.memory_allocated()
+    stats = torch.tpu.memory_stats()
+    assert stats["source"] in ("jax", "live arrays")
+    del x
+    assert torch.tpu.memory_allocated() == before
+    free, total = torch.tpu.mem_get_info()
+    assert 0 < free <= total
+    assert "MiB allocated" in torch.tpu.memory_summary()
+
+
+def test_torch_accelerator_memory_functions_answer_for_tpu():
+    # torch's own need a C++ device allocator, which a Python backend has not (an
+    # INTERNAL ASSERT); accelerate calls torch.accelerator.empty_cache() after training.
+    assert torch.accelerator.current_accelerator().type == "tpu"
+    torch.accelerator.empty_cache()
+    x = torch.ones(256, device="tpu")
+    assert torch.accelerator.memory_allocated() == torch.tpu.memory_allocated()
+    assert torch.accelerator.memory_stats()["allocated_bytes.all.current"] >= x.nbytes
+    torch.accelerator.reset_peak_memory_stats()
+
+
+# -- addresses (Note [Storage addresses]) ---------------------------------------------------
+
+
+def test_each_storage_has_addresses_of_its_own():
+    b = torch.arange(12.0, device="tpu").reshape(3, 4)
+    row, other = b[1], torch.ones(12, device="tpu")
+    assert b.data_ptr() != 0 and other.data_ptr() != b.data_ptr()
+    assert row.data_ptr() == b.data_ptr() + 4 * b.element_size()
+    assert row.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+    assert b.untyped_storage().nbytes() == 48
+    assert other.untyped_storage().data_ptr() >= b.untyped_storage().data_ptr() + 48
+    row.add_(1)  # still an alias with an address
+    assert torch.equal(b.cpu()[1], torch.arange(4.0, 8.0) + 1)
+    b.resize_(2, 2)  # within its storage
+    assert b.data_ptr() == row.data_ptr() - 4 * b.element_size()
+
+
+def test_shared_tensors_are_found_as_on_the_cpu():
+    safetensors = pytest.importorskip("safetensors.torch", reason="installed with transformers")
+    for device in ("cpu", "tpu"):
+        b = torch.arange(6.0, device=device)
+        with pytest.raises(RuntimeError, match="share memory"):
+            safetensors.save({"b": b, "view": b[2:]})
+        assert len(safetensors.save({"b": b, "c": b.clone()})) > 0

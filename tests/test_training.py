@@ -187,3 +187,56 @@ def test_losses_train_like_cpu(loss):
         lambda p: torch.optim.SGD(p, lr=0.1),
         steps=3,
     )
+
+
+# -- fused optimizers (fused=True; the Hugging Face Trainer's default AdamW) ----------------
+
+
+@pytest.mark.parametrize("mode", ["strict", "defer"])
+@pytest.mark.parametrize("amsgrad", [False, True])
+@pytest.mark.parametrize("optimizer", [torch.optim.Adam, torch.optim.AdamW])
+def test_fused_adam_matches_cpu(optimizer, amsgrad, mode):
+    torch.manual_seed(0)
+    initial = [torch.randn(3, 4), torch.randn(5)]
+    grads = [[torch.randn_like(p) for p in initial] for _ in range(3)]
+    results = []
+    for device in ("cpu", "tpu"):
+        params = [p.clone().to(device).requires_grad_() for p in initial]
+        options = dict(lr=torch.tensor(0.01), amsgrad=amsgrad, maximize=True, weight_decay=0.1)
+        opt = optimizer(
+            params, fused=device == "tpu", foreach=False if device == "cpu" else None, **options
+        )
+        torchtpu.reset_metrics()
+        with torch.tpu.set_eager_mode(mode if device == "tpu" else "strict"):
+            for step in grads:
+                for p, g in zip(params, step):
+                    p.grad = g.to(device)
+                opt.step()
+        results.append([p.detach().cpu() for p in params])
+    assert "fallback" not in torchtpu.metrics()
+    for ours, cpus in zip(*results):
+        torch.testing.assert_close(ours, cpus, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("found_inf", [0.0, 1.0])
+def test_fused_adamw_with_a_grad_scale_as_the_cpu_kernel(found_inf):
+    torch.manual_seed(0)
+    initial = [torch.randn(3, 4), torch.randn(5)]
+    results = []
+    for device in ("cpu", "tpu"):
+        params = [p.clone().to(device) for p in initial]
+        grads = [torch.full_like(p, 3.0) for p in params]
+        exp_avgs = [torch.full_like(p, 0.1) for p in params]
+        exp_avg_sqs = [torch.full_like(p, 0.2) for p in params]
+        max_exp_avg_sqs = [torch.zeros_like(p) for p in params]
+        steps = [torch.tensor(2.0, device=device) for _ in params]
+        torch._fused_adamw_(
+            params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps,
+            lr=0.1, beta1=0.9, beta2=0.999, weight_decay=0.01, eps=1e-8, amsgrad=True,
+            maximize=False, grad_scale=torch.tensor(2.0, device=device),
+            found_inf=torch.tensor(found_inf, device=device),
+        )  # fmt: skip
+        written = params + grads + exp_avgs + exp_avg_sqs + max_exp_avg_sqs + steps
+        results.append([t.cpu() for t in written])
+    for ours, cpus in zip(*results):
+        torch.testing.assert_close(ours, cpus, rtol=1e-5, atol=1e-6)

@@ -16,10 +16,21 @@ import types
 
 import torch
 
-from torchtpu import autocast, distributed, dtypes, pinned, rng, runtime, serialization
+from torchtpu import autocast, distributed, dtypes, memory, pinned, rng, runtime, serialization
 from torchtpu.dispatch import modes
 from torchtpu.dispatch.modes import EagerMode, set_eager_mode
 from torchtpu.matmul_precision import Precision, precision
+from torchtpu.memory import (
+    empty_cache,
+    max_memory_allocated,
+    max_memory_reserved,
+    mem_get_info,
+    memory_allocated,
+    memory_reserved,
+    memory_stats,
+    memory_summary,
+    reset_peak_memory_stats,
+)
 from torchtpu.streams import Event, Stream, current_stream, default_stream, set_stream, stream
 
 __all__ = [
@@ -32,6 +43,7 @@ __all__ = [
     "default_stream",
     "device",
     "device_count",
+    "empty_cache",
     "get_device_name",
     "get_device_properties",
     "get_rng_state",
@@ -39,7 +51,15 @@ __all__ = [
     "is_available",
     "manual_seed",
     "manual_seed_all",
+    "max_memory_allocated",
+    "max_memory_reserved",
+    "mem_get_info",
+    "memory_allocated",
+    "memory_reserved",
+    "memory_stats",
+    "memory_summary",
     "precision",
+    "reset_peak_memory_stats",
     "set_device",
     "set_eager_mode",
     "set_rng_state",
@@ -406,5 +426,6 @@ def register() -> None:
 
     torch.utils.dlpack.to_dlpack = torch.to_dlpack = to_dlpack
     serialization.register()
+    memory.route_accelerator_functions()
     autocast.register()
     distributed.register()

@@ -62,7 +62,16 @@ class Storage:
     first (`physical`).
     """
 
-    __slots__ = ("array", "shape", "strides", "dtype", "device_index", "version", "__weakref__")
+    __slots__ = (
+        "array",
+        "shape",
+        "strides",
+        "dtype",
+        "device_index",
+        "version",
+        "_torch_storage",
+        "__weakref__",
+    )
 
     def __init__(self, array, shape, strides, dtype: torch.dtype, device_index: int):
         self.array = array
@@ -71,6 +80,7 @@ class Storage:
         self.dtype = dtype
         self.device_index = device_index
         self.version = 0
+        self._torch_storage = None
         if tracing._active is not None:
             tracing._active.created.append(weakref.ref(self))
 
@@ -79,6 +89,15 @@ class Storage:
         self.array = array
         self.version += 1
 
+    def torch_storage(self) -> torch.UntypedStorage:
+        """The torch storage tensors on this Storage report (Note [Storage addresses])."""
+        if self._torch_storage is None:
+            nbytes = math.prod(self.shape) * self.dtype.itemsize
+            self._torch_storage = torch._C._construct_storage_from_data_pointer(
+                _address_range(nbytes), torch.device("tpu", self.device_index), nbytes
+            )
+        return self._torch_storage
+
     def holds(self, offset: int, numel: int) -> bool:
         """Whether ``numel`` elements from ``offset`` fit: where resize_ keeps a tensor."""
         return offset + numel <= math.prod(self.shape)
@@ -86,6 +105,27 @@ class Storage:
     def __repr__(self) -> str:
         state = "uninitialised" if self.array is None else "initialised"
         return f"Storage({self.shape}, {self.dtype}, tpu:{self.device_index}, {state}, v{self.version})"
+
+
+# Note [Storage addresses]
+#     torch code tells tensors apart, and finds those that share memory, by address:
+#     ``t.data_ptr()``, ``t.untyped_storage().data_ptr()`` and ``nbytes()`` (safetensors
+#     and Transformers' check for shared or tied weights, torch.save's deduplication).
+#     A JAX buffer has no address torch could use, so each Storage gets a range of
+#     addresses of its own, never reused in the process, as a CUDA allocation has one:
+#     a torch storage on the tpu device with that (fake) data pointer, which no code
+#     dereferences (a device pointer is not host memory). A tensor takes its Storage's
+#     torch storage when Python first asks for an address (tensor.py); until then its
+#     TensorImpl keeps the data-less one it was made with, so making a tensor costs
+#     nothing more.
+_next_address = [1 << 44]
+_ALIGNMENT = 512  # as CUDA's caching allocator rounds
+
+
+def _address_range(nbytes: int) -> int:
+    start = _next_address[0]
+    _next_address[0] = start + max(_ALIGNMENT, -(-nbytes // _ALIGNMENT) * _ALIGNMENT)
+    return start
 
 
 def physical(base, strides):

@@ -170,7 +170,33 @@ class TPUTensor(torch.Tensor):
     # -- copying and pickling -----------------------------------------------------------
 
     # The attributes that say where the data is; everything else in __dict__ is copied as is.
-    _DATA_FIELDS = frozenset(("_storage", "_chain", "_meta", "_handle_cache"))
+    _DATA_FIELDS = frozenset(("_storage", "_chain", "_meta", "_handle_cache", "_addressed"))
+
+    # -- addresses (Note [Storage addresses] in storage.py) -------------------------------
+
+    def _take_storage_address(self) -> None:
+        storage = self._storage
+        if self.__dict__.get("_addressed") is storage or self._inner is not None:
+            return
+        # Setting the TensorImpl's storage is generic TensorImpl code (the CPU kernel's);
+        # the sizes, strides and offset stay as they are.
+        torch.ops.aten.set_.source_Storage_storage_offset.redispatch(
+            _CPU_KEYS,
+            self,
+            storage.torch_storage(),
+            self.storage_offset(),
+            self.shape,
+            self.stride(),
+        )
+        self._addressed = storage
+
+    def data_ptr(self) -> int:
+        self._take_storage_address()
+        return super().data_ptr()
+
+    def untyped_storage(self) -> torch.UntypedStorage:
+        self._take_storage_address()
+        return super().untyped_storage()
 
     def __deepcopy__(self, memo):
         # torch's default would copy a wrapper subclass through its (empty, fake) storage
@@ -285,6 +311,8 @@ def backward_on_calling_thread() -> None:
     """
     torch._C._set_multithreading_enabled(False)
 
+
+_CPU_KEYS = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
 
 # Whether a traced wrapper was ever made: until then no op needs to look for one.
 _tracing_seen = False

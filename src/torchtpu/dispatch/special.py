@@ -167,12 +167,13 @@ def _resize_(func, args, kwargs):
     aten.set_.source_Storage_storage_offset.redispatch(
         torch._C.DispatchKeySet(torch._C.DispatchKey.Meta),
         x,
-        fresh.untyped_storage(),
+        torch.Tensor.untyped_storage(fresh),  # its data-less one, which Meta may resize
         offset,
         size,
         meta.stride(),
     )
     x._storage, x._chain, x._meta = fresh._storage, fresh._chain, fresh._meta
+    x.__dict__.pop("_addressed", None)  # its TensorImpl holds fresh's storage now
     return x
 
 

@@ -1,0 +1,101 @@
+"""The Hugging Face stack on tpu: the Trainer with its default arguments, Accelerate."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers", reason="the test extra installs transformers")
+accelerate = pytest.importorskip("accelerate", reason="the test extra installs accelerate")
+
+
+class _Tokens(torch.utils.data.Dataset):
+    def __init__(self, n=16, length=12):
+        generator = torch.Generator().manual_seed(0)
+        self.ids = torch.randint(3, 100, (n, length), generator=generator)
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def _tiny_llama():
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=100,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
+    return transformers.LlamaForCausalLM(config)
+
+
+def _reset_accelerate():
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def _train(tmp_path, device: str):
+    _reset_accelerate()
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path / device),
+        max_steps=4,
+        per_device_train_batch_size=4,
+        logging_steps=1,
+        report_to="none",
+        seed=0,
+        save_strategy="no",
+        use_cpu=device == "cpu",
+    )  # everything else as it comes: pinned memory, AdamW, a linear schedule
+    trainer = transformers.Trainer(
+        model=_tiny_llama(), args=args, train_dataset=_Tokens(), eval_dataset=_Tokens(8)
+    )
+    assert args.device.type == device
+    trainer.train()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    evaluation = trainer.evaluate()["eval_loss"]
+    trainer.save_model(str(tmp_path / device / "model"))
+    return trainer.model, losses, evaluation
+
+
+def test_trainer_with_its_defaults_trains_like_the_cpu(tmp_path):
+    _, cpu_losses, cpu_eval = _train(tmp_path, "cpu")
+    model, losses, evaluation = _train(tmp_path, "tpu")
+    assert next(model.parameters()).device.type == "tpu"
+    assert len(losses) == len(cpu_losses) == 4
+    torch.testing.assert_close(losses, cpu_losses, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(evaluation, cpu_eval, rtol=1e-5, atol=1e-5)
+    reloaded = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path / "tpu" / "model"))
+    for (name, saved), trained in zip(reloaded.state_dict().items(), model.state_dict().values()):
+        assert torch.equal(saved, trained.cpu()), name
+
+
+def test_accelerate_picks_the_tpu_device_and_prepares_a_loop():
+    _reset_accelerate()
+    accelerator = accelerate.Accelerator()
+    assert accelerator.device.type == "tpu"
+    model = _tiny_llama()
+    cpu_model = _tiny_llama()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    cpu_optimizer = torch.optim.AdamW(cpu_model.parameters(), lr=1e-3)
+    loader = torch.utils.data.DataLoader(_Tokens(8), batch_size=4, pin_memory=True)
+    model, optimizer, prepared = accelerator.prepare(model, optimizer, loader)
+    assert next(model.parameters()).device.type == "tpu"
+    for batch, cpu_batch in zip(prepared, torch.utils.data.DataLoader(_Tokens(8), batch_size=4)):
+        assert batch["input_ids"].device.type == "tpu"
+        loss = model(**batch).loss
+        accelerator.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        cpu_loss = cpu_model(**cpu_batch).loss
+        cpu_loss.backward()
+        cpu_optimizer.step()
+        cpu_optimizer.zero_grad()
+        torch.testing.assert_close(loss.item(), cpu_loss.item(), rtol=1e-5, atol=1e-5)
+    _reset_accelerate()
