@@ -58,6 +58,9 @@ __all__ = [
     "sync",
     "to_jax",
     "to_tpu",
+    "check_against_cpu",
+    "TPUDivergenceError",
+    "TPUDivergenceWarning",
 ]
 
 device.register()
@@ -133,6 +136,28 @@ def to_tpu(obj, device: str | int | torch.device = "tpu"):
         return leaf
 
     return optree.tree_map(move, obj, none_is_leaf=True)
+
+
+def check_against_cpu(action: str = "raise"):
+    """Context manager: every tpu op also runs on the CPU, and the first whose result
+    differs raises `TPUDivergenceError` (``action="warn"``: warns) naming the op, your
+    line, the shapes and dtypes, and the errors. Forward and backward. Example::
+
+        with torchtpu.check_against_cpu():
+            loss = model(batch).loss
+            loss.backward()
+    """
+    from torchtpu.divergence import check_against_cpu as check
+
+    return check(action)
+
+
+def __getattr__(name: str):
+    if name in ("TPUDivergenceError", "TPUDivergenceWarning"):
+        from torchtpu import divergence
+
+        return getattr(divergence, name)
+    raise AttributeError(f"module 'torchtpu' has no attribute {name!r}")
 
 
 def explain(fn, *args, **kwargs) -> Explanation:

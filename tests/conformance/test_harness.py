@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from torchtpu.conformance import __main__ as report
-from torchtpu.conformance import compare, harness
+from torchtpu.conformance import harness
+from torchtpu.observe import compare
 
 BF16 = torch.bfloat16
 

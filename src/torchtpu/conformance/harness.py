@@ -13,7 +13,7 @@ outcome is one of:
 - ``skip``: the expectations table says not to run it, with a reason.
 
 Where the CPU itself rejects a sample, tpu must reject it with the same exception type.
-How results are compared is compare.py's business.
+How results are compared is observe/compare.py's business (the divergence finder shares it).
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
 import torchtpu
-from torchtpu.conformance import compare
 from torchtpu.dispatch import checks
+from torchtpu.observe import compare
 
 #: Eager modes the suite runs in. Adding a mode is adding its name here.
 MODES = ("strict", "debug", "defer")

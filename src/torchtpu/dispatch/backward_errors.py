@@ -30,13 +30,18 @@ def in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+def record(exc: BaseException) -> None:
+    """Keep ``exc``, raised during backward, for the user's thread (`raise_deferred`)."""
+    _raised.append(exc)
+
+
 def poisoned(func, args, kwargs, exc: BaseException):
     """Outputs of ``func`` that raise ``exc`` when read; ``exc`` is raised later."""
     from torchtpu.storage import Storage
     from torchtpu.tensor import TPUTensor
 
     exc.add_note(f"torchtpu: raised by {func} during backward()")
-    _raised.append(exc)
+    record(exc)
 
     def to_meta(t: TPUTensor):
         return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
