@@ -421,6 +421,12 @@ def _():
     return [max((p - q).abs().max().item() for p, q in pairs), moved]
 
 
+@check("explain")
+def _():
+    x = torch.ones(3, device="tpu")
+    return str(torchtpu.explain(lambda: dist.all_reduce(x)))
+
+
 @check("metrics")
 def _():
     m = torchtpu.metrics()
@@ -646,6 +652,11 @@ def test_ddp_find_unused_parameters_refused_by_torch(checks):
     for r in (0, 1):
         got = checks[r]["ddp_unused"]
         assert got[0] == "NotImplementedError" and "getPinnedMemoryAllocator" in got[1], got
+
+
+def test_explain_lists_collectives(checks):
+    for text in outcome(checks, "explain"):
+        assert "torch.distributed collectives: all_reduce 1 (12 bytes)" in text
 
 
 def test_hugging_face_causal_lm_trains_with_ddp(checks):
