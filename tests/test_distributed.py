@@ -230,6 +230,20 @@ def _():
     dist.all_reduce(x)
 
 
+@check("without_check")
+def _():
+    torchtpu.config.distributed_check = False  # on both ranks at the same point
+    try:
+        x = torch.ones(2, device="tpu") * (R + 1)
+        dist.all_reduce(x)
+        a = torch.arange(3, device="tpu") + R  # uneven all_to_all still exchanges its splits
+        b = torch.empty(3, dtype=a.dtype, device="tpu")
+        dist.all_to_all_single(b, a, [1, 2] if R == 0 else [2, 1], [1, 2] if R == 0 else [2, 1])
+        return [x.tolist(), b.tolist()]
+    finally:
+        torchtpu.config.distributed_check = True
+
+
 @check("send_recv")
 def _():
     # Note [send and recv] in process_group.py: the peers order their calls to match
@@ -619,6 +633,11 @@ def test_shape_mismatch_raises_on_each_rank(checks):
         kind, message = checks[r]["mismatch"][:2]
         assert kind == "CollectiveMismatchError", checks[r]["mismatch"]
         assert "float32[2]" in message and "float32[3]" in message and f"rank {r}:" in message
+
+
+def test_collectives_without_the_shape_check(checks):
+    r0, r1 = outcome(checks, "without_check")
+    assert r0 == [[3.0, 3.0], [0, 1, 2]] and r1 == [[3.0, 3.0], [1, 2, 3]]
 
 
 def test_send_recv(checks):
