@@ -501,6 +501,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _free_port_pair() -> int:
+    """A port that is free, and the next one too."""
+    for _ in range(50):
+        port = _free_port()
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError("no two free ports in a row")
+
+
 def launch(tmp_path, script: str, nproc: int = 2, timeout: float = 120, env_extra=None):
     """Run ``script`` under ``python -m torch.distributed.run``; (returncode, output,
     seconds, {rank: results})."""
@@ -512,8 +525,7 @@ def launch(tmp_path, script: str, nproc: int = 2, timeout: float = 120, env_extr
     env["PYTHONPATH"] = SRC + os.pathsep + env.get("PYTHONPATH", "")
     env["CHECK_OUT"] = str(out)
     env.update(env_extra or {})
-    # MASTER_PORT + 1 is JAX's coordinator: find two free ports in a row
-    port = _free_port()
+    port = _free_port_pair()  # MASTER_PORT + 1 is JAX's coordinator
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
            "--master_addr=127.0.0.1", f"--master_port={port}", str(path)]  # fmt: skip
     start = time.monotonic()
