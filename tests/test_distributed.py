@@ -404,6 +404,42 @@ def _():
     return [out, torchtpu.metrics().get("fallback", {})]
 
 
+@check("tensor_parallel")
+def _():
+    # DTensor training: a column- then row-parallel MLP (Shard -> Partial -> Replicate)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    torchtpu.reset_metrics()
+    mesh = init_device_mesh("tpu", (N,))
+
+    def make():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+
+    ref, model = make(), make().to("tpu")
+    parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    ropt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    gen = torch.Generator().manual_seed(1)
+    mse = torch.nn.functional.mse_loss
+    for _ in range(3):
+        x, y = torch.randn(4, 4, generator=gen), torch.randn(4, 2, generator=gen)
+        opt.zero_grad()
+        mse(model(x.to("tpu")), y.to("tpu")).backward()
+        opt.step()
+        ropt.zero_grad()
+        mse(ref(x), y).backward()
+        ropt.step()
+    full = [p.full_tensor().cpu() for p in model.parameters()]
+    diff = max((a - b).abs().max().item() for a, b in zip(full, ref.parameters()))
+    return [diff, torchtpu.metrics().get("fallback", {})]
+
+
 @check("hf_causal_lm_ddp")
 def _():
     import copy
@@ -686,6 +722,11 @@ def test_ddp_find_unused_parameters_refused_by_torch(checks):
 def test_explain_lists_collectives(checks):
     for text in outcome(checks, "explain"):
         assert "torch.distributed collectives: all_reduce 1 (12 bytes)" in text
+
+
+def test_tensor_parallel_training_matches_reference(checks):
+    for diff, fallbacks in outcome(checks, "tensor_parallel"):
+        assert diff <= 1e-6 and fallbacks == {}
 
 
 def test_hugging_face_causal_lm_trains_with_ddp(checks):
