@@ -244,6 +244,14 @@ def _():
         torchtpu.config.distributed_check = True
 
 
+@check("all_to_all_splits_mismatch")
+def _():
+    a = torch.arange(3.0, device="tpu")
+    b = torch.empty(3, device="tpu")
+    # rank 0 sends 1 row to rank 1, but rank 1 expects 2 from it
+    dist.all_to_all_single(b, a, [1, 2], [2, 1] if R == 0 else [1, 2])
+
+
 @check("send_recv")
 def _():
     # Note [send and recv] in process_group.py: the peers order their calls to match
@@ -686,6 +694,12 @@ def test_shape_mismatch_raises_on_each_rank(checks):
 def test_collectives_without_the_shape_check(checks):
     r0, r1 = outcome(checks, "without_check")
     assert r0 == [[3.0, 3.0], [0, 1, 2]] and r1 == [[3.0, 3.0], [1, 2, 3]]
+
+
+def test_all_to_all_split_mismatch_raises_on_each_rank(checks):
+    for r in (0, 1):
+        kind, message = checks[r]["all_to_all_splits_mismatch"][:2]
+        assert kind == "CollectiveMismatchError" and "expects" in message, message
 
 
 def test_send_recv(checks):

@@ -275,7 +275,15 @@ class ProcessGroupTPU(ProcessGroup):
         (array,) = self._read([input])
         spec_avals = ((("?", *input.shape[1:]), array.dtype.name),)
         probe = Spec("all_to_all_uneven", None, (), spec_avals, self._devices([input]))
-        all_ins = self._agree(probe, info=tuple(ins))
+        splits = self._agree(probe, info=(tuple(ins), tuple(outs)))
+        all_ins = [i for i, _ in splits]
+        for dst, (_, expected) in enumerate(splits):  # on every rank, before any data moves
+            for src in range(n):
+                if all_ins[src][dst] != expected[src]:
+                    raise CollectiveMismatchError(
+                        f"rank {me}: in all_to_all_single rank {dst} expects {expected[src]} "
+                        f"rows from rank {src}, which sends it {all_ins[src][dst]}"
+                    )
         longest = max(sum(i) for i in all_ins)
         jnp = runtime.jax().numpy
         padded = jnp.pad(array, [(0, longest - array.shape[0])] + [(0, 0)] * (array.ndim - 1))
@@ -285,13 +293,7 @@ class ProcessGroupTPU(ProcessGroup):
         pieces = []
         for src in range(n):
             start = sum(all_ins[src][:me])
-            length = all_ins[src][me]
-            if length != outs[src]:
-                raise CollectiveMismatchError(
-                    f"rank {me}: all_to_all_single expects {outs[src]} rows from rank {src}, "
-                    f"which sends {length}"
-                )
-            pieces.append(gathered[src, start : start + length])
+            pieces.append(gathered[src, start : start + all_ins[src][me]])
         _write(output, jnp.concatenate(pieces, axis=0))
         return self._done([output])
 
