@@ -94,7 +94,7 @@ class ProcessGroupTPU(ProcessGroup):
 
     def _agree(self, spec: Spec, info=None) -> list:
         """Compare ``spec`` with every other rank's through the store (a mismatch raises
-        on each rank) and return every rank's ``info``. One set and one multi_get."""
+        on each rank) and return every rank's ``info``: a set, a multi_get, a delete."""
         if not config.distributed_check and info is None:
             return []
         self._seq += 1
