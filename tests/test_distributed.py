@@ -283,7 +283,7 @@ class Net(torch.nn.Module):
         return self.body(x)
 
 
-def ddp_run(mode, bn=False, no_sync=False, unused=False):
+def ddp_run(mode, bn=False, no_sync=False, unused=False, compiled=False):
     torch.manual_seed(R)  # different weights per rank: DDP broadcasts rank 0's
     model = Net(bn, unused)
     gen = torch.Generator().manual_seed(123)
@@ -293,6 +293,8 @@ def ddp_run(mode, bn=False, no_sync=False, unused=False):
     with torch.tpu.set_eager_mode(mode):
         ddp = torch.nn.parallel.DistributedDataParallel(model.to("tpu"), find_unused_parameters=unused)
         opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
+        if compiled:
+            ddp = torch.compile(ddp, backend="tpu")
         for x, y in batches:
             xs, ys = x[R * 2:R * 2 + 2].to("tpu"), y[R * 2:R * 2 + 2].to("tpu")
             opt.zero_grad()
@@ -328,6 +330,7 @@ for mode in ["strict", "defer", "debug"]:
 check("ddp_no_sync")(lambda: ddp_run("strict", no_sync=True))
 check("ddp_batchnorm")(lambda: ddp_run("strict", bn=True))
 check("ddp_unused")(lambda: ddp_run("strict", unused=True))
+check("ddp_compiled")(lambda: ddp_run("strict", compiled=True))
 
 
 @check("functional_collectives")
@@ -711,6 +714,11 @@ def test_send_recv(checks):
 @pytest.mark.parametrize("mode", ["strict", "defer", "debug"])
 def test_ddp_matches_full_batch_reference(checks, mode):
     for diff, equal, _, _ in outcome(checks, f"ddp_{mode}"):
+        assert diff <= 1e-6 and equal
+
+
+def test_ddp_under_torch_compile(checks):
+    for diff, equal, _, _ in outcome(checks, "ddp_compiled"):
         assert diff <= 1e-6 and equal
 
 
