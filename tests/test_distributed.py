@@ -252,6 +252,22 @@ def _():
     dist.all_to_all_single(b, a, [1, 2], [2, 1] if R == 0 else [1, 2])
 
 
+@check("collective_in_jit")
+def _():
+    @torchtpu.jit
+    def step(x):
+        y = x * 2
+        dist.all_reduce(y)
+        return y
+
+    first = step(torch.ones(2, device="tpu")).tolist()  # the first call runs eagerly
+    try:
+        step(torch.ones(2, device="tpu"))  # the second traces: refused on every rank
+    except NotImplementedError as exc:
+        return [first, str(exc)]
+    return [first, None]
+
+
 @check("send_recv")
 def _():
     # Note [send and recv] in process_group.py: the peers order their calls to match
@@ -703,6 +719,12 @@ def test_all_to_all_split_mismatch_raises_on_each_rank(checks):
     for r in (0, 1):
         kind, message = checks[r]["all_to_all_splits_mismatch"][:2]
         assert kind == "CollectiveMismatchError" and "expects" in message, message
+
+
+def test_a_collective_inside_a_compiled_program_is_refused_clearly(checks):
+    for first, message in outcome(checks, "collective_in_jit"):
+        assert first == [4.0, 4.0]
+        assert message is not None and "not supported yet" in message
 
 
 def test_send_recv(checks):
