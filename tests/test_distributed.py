@@ -26,9 +26,7 @@ import torch
 import torch.distributed as dist
 
 results = {}
-
-
-seconds = {}
+seconds = {}  # per check, to see where a slow launch spends its time
 
 
 def check(name):
@@ -232,6 +230,44 @@ def _():
     dist.all_reduce(x)
 
 
+@check("without_check")
+def _():
+    torchtpu.config.distributed_check = False  # on both ranks at the same point
+    try:
+        x = torch.ones(2, device="tpu") * (R + 1)
+        dist.all_reduce(x)
+        a = torch.arange(3, device="tpu") + R  # uneven all_to_all still exchanges its splits
+        b = torch.empty(3, dtype=a.dtype, device="tpu")
+        dist.all_to_all_single(b, a, [1, 2] if R == 0 else [2, 1], [1, 2] if R == 0 else [2, 1])
+        return [x.tolist(), b.tolist()]
+    finally:
+        torchtpu.config.distributed_check = True
+
+
+@check("all_to_all_splits_mismatch")
+def _():
+    a = torch.arange(3.0, device="tpu")
+    b = torch.empty(3, device="tpu")
+    # rank 0 sends 1 row to rank 1, but rank 1 expects 2 from it
+    dist.all_to_all_single(b, a, [1, 2], [2, 1] if R == 0 else [1, 2])
+
+
+@check("collective_in_jit")
+def _():
+    @torchtpu.jit
+    def step(x):
+        y = x * 2
+        dist.all_reduce(y)
+        return y
+
+    first = step(torch.ones(2, device="tpu")).tolist()  # the first call runs eagerly
+    try:
+        step(torch.ones(2, device="tpu"))  # the second traces: refused on every rank
+    except NotImplementedError as exc:
+        return [first, str(exc)]
+    return [first, None]
+
+
 @check("send_recv")
 def _():
     # Note [send and recv] in process_group.py: the peers order their calls to match
@@ -263,7 +299,7 @@ class Net(torch.nn.Module):
         return self.body(x)
 
 
-def ddp_run(mode, bn=False, no_sync=False, unused=False):
+def ddp_run(mode, bn=False, no_sync=False, unused=False, compiled=False):
     torch.manual_seed(R)  # different weights per rank: DDP broadcasts rank 0's
     model = Net(bn, unused)
     gen = torch.Generator().manual_seed(123)
@@ -273,6 +309,8 @@ def ddp_run(mode, bn=False, no_sync=False, unused=False):
     with torch.tpu.set_eager_mode(mode):
         ddp = torch.nn.parallel.DistributedDataParallel(model.to("tpu"), find_unused_parameters=unused)
         opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
+        if compiled:
+            ddp = torch.compile(ddp, backend="tpu")
         for x, y in batches:
             xs, ys = x[R * 2:R * 2 + 2].to("tpu"), y[R * 2:R * 2 + 2].to("tpu")
             opt.zero_grad()
@@ -308,6 +346,7 @@ for mode in ["strict", "defer", "debug"]:
 check("ddp_no_sync")(lambda: ddp_run("strict", no_sync=True))
 check("ddp_batchnorm")(lambda: ddp_run("strict", bn=True))
 check("ddp_unused")(lambda: ddp_run("strict", unused=True))
+check("ddp_compiled")(lambda: ddp_run("strict", compiled=True))
 
 
 @check("functional_collectives")
@@ -392,6 +431,42 @@ def _():
     return [out, torchtpu.metrics().get("fallback", {})]
 
 
+@check("tensor_parallel")
+def _():
+    # DTensor training: a column- then row-parallel MLP (Shard -> Partial -> Replicate)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    torchtpu.reset_metrics()
+    mesh = init_device_mesh("tpu", (N,))
+
+    def make():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+
+    ref, model = make(), make().to("tpu")
+    parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    ropt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    gen = torch.Generator().manual_seed(1)
+    mse = torch.nn.functional.mse_loss
+    for _ in range(3):
+        x, y = torch.randn(4, 4, generator=gen), torch.randn(4, 2, generator=gen)
+        opt.zero_grad()
+        mse(model(x.to("tpu")), y.to("tpu")).backward()
+        opt.step()
+        ropt.zero_grad()
+        mse(ref(x), y).backward()
+        ropt.step()
+    full = [p.full_tensor().cpu() for p in model.parameters()]
+    diff = max((a - b).abs().max().item() for a, b in zip(full, ref.parameters()))
+    return [diff, torchtpu.metrics().get("fallback", {})]
+
+
 @check("hf_causal_lm_ddp")
 def _():
     import copy
@@ -419,6 +494,12 @@ def _():
     before = cpu_model.parameters()
     moved = max((p.detach().cpu() - q).abs().max().item() for p, q in zip(model.parameters(), before))
     return [max((p - q).abs().max().item() for p, q in pairs), moved]
+
+
+@check("explain")
+def _():
+    x = torch.ones(3, device="tpu")
+    return str(torchtpu.explain(lambda: dist.all_reduce(x)))
 
 
 @check("metrics")
@@ -483,6 +564,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _free_port_pair() -> int:
+    """A port that is free, and the next one too."""
+    for _ in range(50):
+        port = _free_port()
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError("no two free ports in a row")
+
+
 def launch(tmp_path, script: str, nproc: int = 2, timeout: float = 120, env_extra=None):
     """Run ``script`` under ``python -m torch.distributed.run``; (returncode, output,
     seconds, {rank: results})."""
@@ -494,8 +588,7 @@ def launch(tmp_path, script: str, nproc: int = 2, timeout: float = 120, env_extr
     env["PYTHONPATH"] = SRC + os.pathsep + env.get("PYTHONPATH", "")
     env["CHECK_OUT"] = str(out)
     env.update(env_extra or {})
-    # MASTER_PORT + 1 is JAX's coordinator: find two free ports in a row
-    port = _free_port()
+    port = _free_port_pair()  # MASTER_PORT + 1 is JAX's coordinator
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
            "--master_addr=127.0.0.1", f"--master_port={port}", str(path)]  # fmt: skip
     start = time.monotonic()
@@ -552,8 +645,8 @@ def test_dtypes(checks):
 
 
 def test_views_and_0d(checks):
-    for base, s, shape, t in outcome(checks, "views_and_0d"):
-        assert base == [[r, 1.0, r] for r in [base[0][0]] * 4]
+    for r, (base, s, shape, t) in enumerate(outcome(checks, "views_and_0d")):
+        assert base == [[float(r), 1.0, float(r)]] * 4  # only the column was reduced
         assert s == 5.0 and shape == []
         assert t == [[0.0, 3.0], [1.0, 4.0], [2.0, 5.0]]
 
@@ -617,6 +710,23 @@ def test_shape_mismatch_raises_on_each_rank(checks):
         assert "float32[2]" in message and "float32[3]" in message and f"rank {r}:" in message
 
 
+def test_collectives_without_the_shape_check(checks):
+    r0, r1 = outcome(checks, "without_check")
+    assert r0 == [[3.0, 3.0], [0, 1, 2]] and r1 == [[3.0, 3.0], [1, 2, 3]]
+
+
+def test_all_to_all_split_mismatch_raises_on_each_rank(checks):
+    for r in (0, 1):
+        kind, message = checks[r]["all_to_all_splits_mismatch"][:2]
+        assert kind == "CollectiveMismatchError" and "expects" in message, message
+
+
+def test_a_collective_inside_a_compiled_program_is_refused_clearly(checks):
+    for first, message in outcome(checks, "collective_in_jit"):
+        assert first == [4.0, 4.0]
+        assert message is not None and "not supported yet" in message
+
+
 def test_send_recv(checks):
     r0, r1 = outcome(checks, "send_recv")
     assert r0 == [[2.0, 4.0, 6.0], None]
@@ -626,6 +736,11 @@ def test_send_recv(checks):
 @pytest.mark.parametrize("mode", ["strict", "defer", "debug"])
 def test_ddp_matches_full_batch_reference(checks, mode):
     for diff, equal, _, _ in outcome(checks, f"ddp_{mode}"):
+        assert diff <= 1e-6 and equal
+
+
+def test_ddp_under_torch_compile(checks):
+    for diff, equal, _, _ in outcome(checks, "ddp_compiled"):
         assert diff <= 1e-6 and equal
 
 
@@ -646,6 +761,16 @@ def test_ddp_find_unused_parameters_refused_by_torch(checks):
     for r in (0, 1):
         got = checks[r]["ddp_unused"]
         assert got[0] == "NotImplementedError" and "getPinnedMemoryAllocator" in got[1], got
+
+
+def test_explain_lists_collectives(checks):
+    for text in outcome(checks, "explain"):
+        assert "torch.distributed collectives: all_reduce 1 (12 bytes)" in text
+
+
+def test_tensor_parallel_training_matches_reference(checks):
+    for diff, fallbacks in outcome(checks, "tensor_parallel"):
+        assert diff <= 1e-6 and fallbacks == {}
 
 
 def test_hugging_face_causal_lm_trains_with_ddp(checks):

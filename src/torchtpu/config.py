@@ -101,5 +101,6 @@ distributed_coordinator: str | None = os.environ.get("TORCHTPU_DIST_COORDINATOR"
 #: Before each collective, every rank of the group compares what it is about to run
 #: (kind, shapes, dtypes, reduce op, root) with the others' through the c10d store, so
 #: that a mismatch raises a clear error on every rank instead of a hang or garbage. It
-#: costs two store round trips per collective; off skips them.
+#: costs three store requests (a set, a multi_get, a delete) per collective; off skips
+#: them (TORCHTPU_DIST_CHECK=0).
 distributed_check: bool = _env_flag("TORCHTPU_DIST_CHECK", True)

@@ -138,6 +138,12 @@ def tpu_backend(gm: torch.fx.GraphModule, example_inputs, **options):
     return _aot_backend(gm, example_inputs)
 
 
+# Nor JAX's, which the dispatcher calls while Dynamo's frame hook may be active (DDP's
+# forward under torch.compile runs eagerly inside it): Dynamo's tracing of JAX's array
+# checks rejects JAX's own tracers ("transpose requires ndarray ... got
+# DynamicJaxprTracer").
+_trace_rules.add("jax")
+
 # Dynamo must never trace torchtpu's own code (the dispatcher behind a graph break,
 # ``.item()``): it runs as it is, like torch's C++ kernels.
 _trace_rules.add("torchtpu")

@@ -88,13 +88,22 @@ class ProcessGroupTPU(ProcessGroup):
         fsdp_storage.install_if_imported()
         defer.flush("collective")
         index = _local_index(tensors)
-        return [
+        arrays = [
             materialize(t) if isinstance(t, TPUTensor) else to_device(t, index) for t in tensors
         ]
+        if any(isinstance(a, runtime.jax().core.Tracer) for a in arrays):
+            raise NotImplementedError(
+                "a torch.distributed collective inside torch.compile(backend='tpu') or "
+                "torchtpu.jit is not supported yet: the compiled program runs on this "
+                "process's device alone, and a collective is a program over the group's "
+                "devices. Run the collective outside the compiled function (as DDP's gradient "
+                "all-reduce runs outside torch.compile's graphs)."
+            )
+        return arrays
 
     def _agree(self, spec: Spec, info=None) -> list:
         """Compare ``spec`` with every other rank's through the store (a mismatch raises
-        on each rank) and return every rank's ``info``. One set and one multi_get."""
+        on each rank) and return every rank's ``info``: a set, a multi_get, a delete."""
         if not config.distributed_check and info is None:
             return []
         self._seq += 1
@@ -275,7 +284,15 @@ class ProcessGroupTPU(ProcessGroup):
         (array,) = self._read([input])
         spec_avals = ((("?", *input.shape[1:]), array.dtype.name),)
         probe = Spec("all_to_all_uneven", None, (), spec_avals, self._devices([input]))
-        all_ins = self._agree(probe, info=tuple(ins))
+        splits = self._agree(probe, info=(tuple(ins), tuple(outs)))
+        all_ins = [i for i, _ in splits]
+        for dst, (_, expected) in enumerate(splits):  # on every rank, before any data moves
+            for src in range(n):
+                if all_ins[src][dst] != expected[src]:
+                    raise CollectiveMismatchError(
+                        f"rank {me}: in all_to_all_single rank {dst} expects {expected[src]} "
+                        f"rows from rank {src}, which sends it {all_ins[src][dst]}"
+                    )
         longest = max(sum(i) for i in all_ins)
         jnp = runtime.jax().numpy
         padded = jnp.pad(array, [(0, longest - array.shape[0])] + [(0, 0)] * (array.ndim - 1))
@@ -285,13 +302,7 @@ class ProcessGroupTPU(ProcessGroup):
         pieces = []
         for src in range(n):
             start = sum(all_ins[src][:me])
-            length = all_ins[src][me]
-            if length != outs[src]:
-                raise CollectiveMismatchError(
-                    f"rank {me}: all_to_all_single expects {outs[src]} rows from rank {src}, "
-                    f"which sends {length}"
-                )
-            pieces.append(gathered[src, start : start + length])
+            pieces.append(gathered[src, start : start + all_ins[src][me]])
         _write(output, jnp.concatenate(pieces, axis=0))
         return self._done([output])
 

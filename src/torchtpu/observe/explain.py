@@ -2,8 +2,9 @@
 
 The account lists the ops run per eager mode, every DeferAndFuse flush (its reason,
 the user line that caused it, how many ops it ran, whether it compiled), the XLA
-compilations, and the ops that ran on the CPU fallback. It is built from the
-counters (metrics.py) and from events the runtime notes while a recording is open.
+compilations, the ops that ran on the CPU fallback and the torch.distributed
+collectives. It is built from the counters (metrics.py) and from events the runtime
+notes while a recording is open.
 """
 
 from __future__ import annotations
@@ -71,6 +72,16 @@ class Explanation:
                 lines.append(f"    {op}: {int(n)} calls, first from {first}")
         else:
             lines.append("  CPU fallbacks: none")
+        collectives = m.get("collectives", {})
+        if collectives:
+            nbytes = m.get("collective_bytes", {})
+            lines.append(
+                "  torch.distributed collectives: "
+                + ", ".join(
+                    f"{kind} {int(n)} ({int(nbytes.get(kind, 0)):,} bytes)"
+                    for kind, n in sorted(collectives.items())
+                )
+            )
         moved = m.get("transfer_bytes", {})
         if moved:
             lines.append(

@@ -64,7 +64,8 @@ def metrics() -> dict[str, dict[str, float]]:
     per-op compiled functions), ``compiles`` (XLA compilations, by kind),
     ``compile_seconds``, ``fallback`` (ops run on the CPU, by op),
     ``decomposed`` (ops run through torch._decomp, by op), ``transfer_bytes``
-    (``to_device``/``to_host``).
+    (``to_device``/``to_host``), ``collectives`` and ``collective_bytes``
+    (torch.distributed collectives by kind, and the bytes this rank contributed).
     """
     return {category: dict(counter) for category, counter in _counts.items() if counter}
 
