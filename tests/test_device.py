@@ -225,3 +225,15 @@ def test_shared_tensors_are_found_as_on_the_cpu():
         with pytest.raises(RuntimeError, match="share memory"):
             safetensors.save({"b": b, "view": b[2:]})
         assert len(safetensors.save({"b": b, "c": b.clone()})) > 0
+
+
+def test_torch_tpu_shows_its_api_only():
+    names = dir(torch.tpu)
+    for internal in ("os", "sys", "torch", "types", "annotations", "register", "rng", "modes"):
+        assert internal not in names
+    for name in names:
+        assert getattr(torch.tpu, name) is not None, name
+    for name in ("memory_allocated", "synchronize", "Stream", "get_device_capability"):
+        assert name in names
+    if torch.tpu.get_device_properties().platform == "cpu":
+        assert torch.tpu.get_device_capability() == (0, 0)

@@ -99,3 +99,52 @@ def test_accelerate_picks_the_tpu_device_and_prepares_a_loop():
         cpu_optimizer.zero_grad()
         torch.testing.assert_close(loss.item(), cpu_loss.item(), rtol=1e-5, atol=1e-5)
     _reset_accelerate()
+
+
+def _lora(model):
+    peft = pytest.importorskip("peft", reason="the test extra installs peft")
+    config = peft.LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0
+    )
+    torch.manual_seed(1)
+    return peft.get_peft_model(model, config)
+
+
+def test_lora_fine_tune_and_merge_match_the_cpu():
+    results = []
+    for device in ("cpu", "tpu"):
+        model = _lora(_tiny_llama()).to(device)
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        assert 0 < len(trainable) < len(list(model.parameters()))
+        optimizer = torch.optim.AdamW(trainable, lr=1e-2)
+        losses = []
+        for batch in torch.utils.data.DataLoader(_Tokens(8), batch_size=4):
+            loss = model(**{k: v.to(device) for k, v in batch.items()}).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+        merged = model.merge_and_unload()
+        logits = merged(input_ids=_Tokens(2).ids.to(device)).logits.detach().cpu()
+        results.append((losses, logits))
+    (cpu_losses, cpu_logits), (losses, logits) = results
+    torch.testing.assert_close(losses, cpu_losses, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(logits, cpu_logits, rtol=1e-5, atol=1e-5)
+
+
+def test_trainer_trains_a_lora_adapter_on_tpu(tmp_path):
+    _reset_accelerate()
+    model = _lora(_tiny_llama())
+    frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), max_steps=3, per_device_train_batch_size=4, report_to="none",
+        save_strategy="no", learning_rate=1e-2,
+    )  # fmt: skip
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=_Tokens())
+    trainer.train()
+    assert next(model.parameters()).device.type == "tpu"
+    for name, p in model.named_parameters():
+        if name in frozen:
+            assert torch.equal(p.detach().cpu(), frozen[name]), name
+    lora_b = [p for n, p in model.named_parameters() if "lora_B" in n]
+    assert lora_b and all(p.detach().abs().sum().item() > 0 for p in lora_b)  # trained from 0

@@ -44,11 +44,16 @@ __all__ = [
     "device",
     "device_count",
     "empty_cache",
+    "get_amp_supported_dtype",
+    "get_device_capability",
     "get_device_name",
     "get_device_properties",
     "get_rng_state",
+    "get_rng_state_all",
     "initial_seed",
     "is_available",
+    "is_bf16_supported",
+    "is_initialized",
     "manual_seed",
     "manual_seed_all",
     "max_memory_allocated",
@@ -60,9 +65,12 @@ __all__ = [
     "memory_summary",
     "precision",
     "reset_peak_memory_stats",
+    "seed",
+    "seed_all",
     "set_device",
     "set_eager_mode",
     "set_rng_state",
+    "set_rng_state_all",
     "set_stream",
     "stream",
     "synchronize",
@@ -215,6 +223,23 @@ def get_device_name(device=None) -> str:
     return device_name(_index(device))
 
 
+def get_device_capability(device=None) -> tuple[int, int]:
+    """As ``torch.cuda.get_device_capability``: a GPU's compute capability (major,
+    minor); for a TPU its generation and 0 (``(5, 0)`` for "TPU v5 lite"); (0, 0) for
+    the CPU backend."""
+    from torchtpu.runtime import device as jax_device
+
+    dev = jax_device(_index(device))
+    capability = getattr(dev, "compute_capability", None)
+    if capability:
+        major, _, minor = str(capability).partition(".")
+        return int(major), int(minor or 0)
+    if dev.platform == "tpu":
+        digits = "".join(c if c.isdigit() else " " for c in dev.device_kind).split()
+        return (int(digits[0]), 0) if digits else (0, 0)
+    return (0, 0)
+
+
 class _DeviceProperties(types.SimpleNamespace):
     def __repr__(self) -> str:
         fields = ", ".join(f"{k}={v!r}" for k, v in vars(self).items())
@@ -290,7 +315,11 @@ def is_bf16_supported(including_emulation: bool = True) -> bool:
 
 
 class _DeviceModule(types.ModuleType):
-    """Lets ``torch.tpu.eager_mode`` be read and assigned like an attribute."""
+    """Lets ``torch.tpu.eager_mode`` be read and assigned like an attribute, and shows
+    its API only to ``dir()`` (not the modules and helpers it uses)."""
+
+    def __dir__(self):
+        return sorted([*__all__, "eager_mode"])
 
     @property
     def eager_mode(self) -> EagerMode:
