@@ -175,8 +175,10 @@ class TPUTensor(torch.Tensor):
     # -- addresses (Note [Storage addresses] in storage.py) -------------------------------
 
     def _take_storage_address(self) -> None:
+        if self._inner is not None:  # a traced wrapper (torch.compile) has no Storage
+            return
         storage = self._storage
-        if self.__dict__.get("_addressed") is storage or self._inner is not None:
+        if self.__dict__.get("_addressed") is storage:
             return
         # Setting the TensorImpl's storage is generic TensorImpl code (the CPU kernel's);
         # the sizes, strides and offset stay as they are.
