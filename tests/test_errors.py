@@ -100,8 +100,6 @@ def test_a_failed_check_does_not_poison_later_work():
 # [Dtype checks only the CPU kernels make] in dispatch/meta.py).
 
 _MIXED_DTYPES_ACCEPTED = {
-    # A dynamic-shape op: its out tensor is checked when its size is known (#19).
-    ("masked_select", "", "out"): "out= of a data-dependent size is not checked before copy_",
     # torch_nn's chunked op is computed by its own Python implementation.
     ("nn.functional.linear_cross_entropy", "chunked", "mix"): "torch_nn op, not aten",
     ("nn.functional.linear_cross_entropy", "chunked_none", "mix"): "torch_nn op, not aten",

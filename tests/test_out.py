@@ -131,3 +131,27 @@ def test_inplace_result_that_self_cannot_hold_raises():
         torch.arange(3).polygamma_(1)
     with pytest.raises(RuntimeError, match="polygamma_"):
         torch.arange(3, device="tpu").polygamma_(1)
+
+
+@pytest.mark.parametrize("given", [(5, 5), (0,)])
+def test_out_of_a_data_dependent_size_is_resized(given):
+    results, caught = [], []
+    for device in ("cpu", "tpu"):
+        out = torch.empty(given, dtype=torch.int64, device=device)
+        with warnings.catch_warnings(record=True) as warned:
+            warnings.simplefilter("always")
+            torch.nonzero(torch.tensor([1, 0, 1], device=device), out=out)
+        results.append(out.cpu())
+        caught.append([w for w in warned if "was resized" in str(w.message)])
+    assert torch.equal(results[1], results[0])
+    assert len(caught[1]) == len(caught[0]) == (1 if given == (5, 5) else 0)
+    with pytest.raises(RuntimeError, match="Expected out tensor to have dtype torch.float32"):
+        x = torch.arange(4.0, device="tpu")
+        torch.masked_select(x, x > 1, out=torch.empty(0, dtype=torch.float64, device="tpu"))
+
+
+def test_resize_as_():
+    for device in ("cpu", "tpu"):
+        x = torch.arange(6.0, device=device).reshape(3, 2)
+        assert x.resize_as_(torch.ones(2, 3, device=device)).shape == (2, 3)
+        assert torch.equal(x.cpu(), torch.arange(6.0).reshape(2, 3))

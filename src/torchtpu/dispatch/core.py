@@ -316,6 +316,10 @@ def _functional_then_copy_handler(info, functional):
         for v in new_values:
             flat_new.extend(v if isinstance(v, (list, tuple)) else [v])
         for target, value in zip(targets, flat_new):
+            if info.out_args:
+                # For an op without a meta kernel (a data-dependent size: nonzero),
+                # out_tensors.check could not check and resize it beforehand.
+                out_tensors.fit(info, target, value)
             aten.copy_.default(target, value)
         out = []
         fresh_iter = iter(fresh)

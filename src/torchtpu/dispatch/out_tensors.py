@@ -12,6 +12,7 @@ refuses ``out=`` tensors that overlap an input in memory, as the CPU kernels do.
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 from torch._prims_common import is_non_overlapping_and_dense_or_false, make_contiguous_strides_for
@@ -86,6 +87,34 @@ def check(info, values: list) -> None:
     for out, size in zip(outs, sizes):
         if out.shape != size:
             aten.resize_.default(out, size)
+
+
+def fit(info, out: torch.Tensor, result: torch.Tensor) -> None:
+    """Before ``result`` is copied into ``out``: the exact-dtype check, and the resize
+    to the result's size, of an op whose meta kernel could not give them beforehand."""
+    if _name(info) in _OUT_DTYPE_EXACT and out.dtype != result.dtype:
+        raise RuntimeError(
+            f"{info.op}: Expected out tensor to have dtype {result.dtype}, but got "
+            f"{out.dtype} instead"
+        )
+    if out.shape != result.shape:
+        _resize_out(out, result.shape)
+
+
+def _resize_out(out: torch.Tensor, size) -> None:
+    """Resize an out= tensor to the result's size, with torch's warning where it held
+    elements (as at::native::resize_output)."""
+    if out.numel() != 0:
+        warnings.warn(
+            f"An output with one or more elements was resized since it had shape "
+            f"{list(out.shape)}, which does not match the required output shape "
+            f"{list(size)}. This behavior is deprecated, and in a future PyTorch release "
+            "outputs will not be resized unless they have zero elements. You can explicitly "
+            "reuse an out tensor t by resizing it, inplace, to zero elements with t.resize_(0).",
+            UserWarning,
+            stacklevel=2,
+        )
+    aten.resize_.default(out, tuple(size))
 
 
 def _check_exact_dtypes(info, values: list, metas: list) -> None:

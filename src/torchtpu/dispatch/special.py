@@ -177,6 +177,13 @@ def _resize_(func, args, kwargs):
     return x
 
 
+def _resize_as_(func, args, kwargs):
+    """resize_as_ is resize_ to the template's shape (torch's own definition)."""
+    x, template = args[0], args[1]
+    memory_format = kwargs.get("memory_format") or (args[2] if len(args) > 2 else None)
+    return _resize_(aten.resize_.default, (x, template.shape, memory_format), {})
+
+
 def _as_strided_scatter(func, args, kwargs):
     """torch's definition, on tpu views: a copy of ``self`` laid out with its strides
     (gaps included), ``src`` copied into its as_strided view. The memory positions are
@@ -273,6 +280,7 @@ SPECIAL = {
     aten.empty_strided.default: _allocate,
     aten.empty.memory_format: _allocate,
     aten.resize_.default: _resize_,
+    aten.resize_as_.default: _resize_as_,
     aten.is_pinned.default: _no_op_false,
     aten._pin_memory.default: _cannot_pin,
     aten.record_stream.default: lambda func, args, kwargs: None,
