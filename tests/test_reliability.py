@@ -703,6 +703,29 @@ def test_a_loop_without_reads_compiles_one_chunk_per_step():
     assert metrics["compiles"]["chunk"] <= 4
 
 
+@pytest.mark.parametrize("read", ["before the step", "after the step"])
+def test_a_loop_reading_its_loss_flushes_once_per_step(read):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 1).to("tpu")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(16, 8, device="tpu")
+    with torch.tpu.set_eager_mode("defer"):
+        torchtpu.reset_metrics()
+        for _ in range(10):
+            opt.zero_grad()
+            loss = model(x).square().mean()
+            loss.backward()
+            if read == "before the step":
+                loss.item()
+                opt.step()
+            else:
+                opt.step()
+                loss.item()
+    # The read bounds the chunks already: no second flush at the optimizer step.
+    assert sum(torchtpu.metrics()["flushes"].values()) == 10
+    assert torchtpu.metrics()["compiles"]["chunk"] <= 2
+
+
 def test_a_full_queue_is_cut_where_the_loop_repeats(monkeypatch):
     monkeypatch.setattr(torchtpu.config, "defer_max_ops", 64)
     torch.manual_seed(0)

@@ -73,6 +73,8 @@ class _ThreadQueues(threading.local):
 
     def __init__(self):
         self.by_device: dict[int, _Queue] = {}
+        self.runs = 0  # chunks this thread has run
+        self.runs_at_step_end = 0  # ... when the last optimizer step ended
 
 
 _threads = _ThreadQueues()
@@ -192,12 +194,17 @@ def flush(reason: str) -> None:
 
 
 def _end_of_step(optimizer, args, kwargs) -> None:
-    """After every ``optimizer.step()``: the end of a training step is the natural end
-    of a chunk, so a loop that reads no value still runs one cached chunk per step
-    (Note [Where a full queue is cut] covers loops without an optimizer)."""
+    """After ``optimizer.step()``: the end of a training step is the natural end of a
+    chunk, so a loop that reads no value still runs one cached chunk per step (Note
+    [Where a full queue is cut] covers loops without an optimizer). A step during which
+    a chunk ran already (the loop read its loss) is bounded by those reads: its
+    optimizer ops join the next step's chunk, one flush per step rather than two."""
     if torch.compiler.is_compiling() or tracing._active is not None:
         return  # a traced step: its ops are in the program, not in a queue
-    flush("optimizer step")
+    state = _threads
+    if state.runs == state.runs_at_step_end:
+        flush("optimizer step")
+    state.runs_at_step_end = state.runs
 
 
 register_optimizer_step_post_hook(_end_of_step)
@@ -281,6 +288,7 @@ def _run(q: _Queue, reason: str, needed=()) -> dict:
     values still referenced; returns the values of the outputs in ``needed``
     ((op, output) pairs), which are outputs of the chunk too."""
     metrics.count("flushes", reason)
+    _threads.runs += 1
     perf_warnings.note_read()
     where = user_frame()
     if reason == "value read":
