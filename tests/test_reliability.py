@@ -721,8 +721,10 @@ def test_a_loop_reading_its_loss_flushes_once_per_step(read):
             else:
                 opt.step()
                 loss.item()
-    # The read bounds the chunks already: no second flush at the optimizer step.
-    assert sum(torchtpu.metrics()["flushes"].values()) == 10
+    # The read bounds the chunks already: no second flush at the optimizer step (the
+    # last step's optimizer ops run when the mode ends).
+    flushes = torchtpu.metrics()["flushes"]
+    assert flushes.get("value read", 0) + flushes.get("optimizer step", 0) == 10
     assert torchtpu.metrics()["compiles"]["chunk"] <= 2
 
 
