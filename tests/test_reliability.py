@@ -725,7 +725,7 @@ def test_a_loop_reading_its_loss_flushes_once_per_step(read):
     # last step's optimizer ops run when the mode ends).
     flushes = torchtpu.metrics()["flushes"]
     assert flushes.get("value read", 0) + flushes.get("optimizer step", 0) == 10
-    assert torchtpu.metrics()["compiles"]["chunk"] <= 2
+    assert torchtpu.metrics()["compiles"]["chunk"] <= 3  # the first steps differ, then one
 
 
 def test_a_full_queue_is_cut_where_the_loop_repeats(monkeypatch):
