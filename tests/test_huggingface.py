@@ -11,8 +11,10 @@ accelerate = pytest.importorskip("accelerate", reason="the test extra installs a
 
 class _Tokens(torch.utils.data.Dataset):
     def __init__(self, n=16, length=12):
+        from torchtpu.zoo import VOCAB
+
         generator = torch.Generator().manual_seed(0)
-        self.ids = torch.randint(3, 100, (n, length), generator=generator)
+        self.ids = torch.randint(3, VOCAB, (n, length), generator=generator)
 
     def __len__(self):
         return len(self.ids)
@@ -22,17 +24,12 @@ class _Tokens(torch.utils.data.Dataset):
 
 
 def _tiny_llama():
+    """The zoo's tiny Llama, with fresh random weights."""
+    from torchtpu.zoo import ARCHS
+
+    (llama,) = [arch for arch in ARCHS if arch.name == "llama"]
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=100,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
-    return transformers.LlamaForCausalLM(config)
+    return transformers.LlamaForCausalLM(llama.build_config())
 
 
 def _reset_accelerate():

@@ -31,6 +31,7 @@ from torchtpu.memory import (
     memory_summary,
     reset_peak_memory_stats,
 )
+from torchtpu.runtime import index_of as _index
 from torchtpu.streams import Event, Stream, current_stream, default_stream, set_stream, stream
 
 __all__ = [
@@ -196,17 +197,6 @@ class device:
         if self.idx not in (-1, self.prev_idx):
             set_device(self.prev_idx)
         return False
-
-
-def _index(device) -> int:
-    if device is None:
-        return current_device()
-    if isinstance(device, int):
-        return device
-    device = torch.device(device)
-    if device.type != "tpu":
-        raise ValueError(f"expected a tpu device, got {device}")
-    return device.index if device.index is not None else current_device()
 
 
 def synchronize(device=None) -> None:

@@ -55,11 +55,6 @@ _NOT_COMPUTATIONS = frozenset(
     }
 )  # fmt: skip
 
-# Integer outputs that are indices of tied values: either answer is right.
-_TIE_INDICES = frozenset(
-    {"sort", "argsort", "topk", "max", "min", "argmax", "argmin", "kthvalue", "mode", "median"}
-)
-
 
 class _AgainstCPU(TorchDispatchMode):
     def __init__(self, action: str):
@@ -146,7 +141,7 @@ def _difference(func, result, expected, on_cpu) -> str | None:
     random = torch.Tag.nondeterministic_seeded in func.tags
     ours = tree_map(lambda t: t.cpu() if isinstance(t, TPUTensor) else t, result)
     cpus = expected
-    if name in _TIE_INDICES:
+    if name in compare.TIE_AMBIGUOUS_INDICES:  # the harness's ops: indices of ties
         ours, cpus = _values_only(ours), _values_only(cpus)
     try:
         compare.compare(ours, cpus, random)

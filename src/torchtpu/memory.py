@@ -22,23 +22,11 @@ import os
 import torch
 
 from torchtpu.runtime import devices, jax
+from torchtpu.runtime import index_of as _index
 
 # Peaks of the live-array count, per device index, since the last reset (the CPU
 # backend keeps no peak of its own: this one is the largest count seen by a call).
 _peaks: dict[int, int] = {}
-
-
-def _index(device) -> int:
-    if device is None:
-        from torchtpu.runtime import current_index
-
-        return current_index()
-    if isinstance(device, int):
-        return device
-    device = torch.device(device)
-    if device.type != "tpu":
-        raise ValueError(f"Expected a tpu device, but got: {device}")
-    return device.index if device.index is not None else 0
 
 
 def memory_stats(device=None) -> dict:

@@ -9,6 +9,7 @@ device) and routes every aten op to ``__torch_dispatch__``; the data lives in a
 from __future__ import annotations
 
 import copy
+import math
 import weakref
 
 import torch
@@ -289,9 +290,8 @@ def _saved_values(t: TPUTensor) -> torch.Tensor:
         if covers:
             image = t.detach().cpu().reshape(-1)
         else:
-            extent = 1 + sum((n - 1) * s for n, s in zip(storage.shape, storage.strides))
-            if 0 in storage.shape:
-                extent = 0
+            # A storage is dense (Note [Storage strides]): its memory is its numel.
+            extent = math.prod(storage.shape)
             base = TPUTensor(storage, (), storage.shape, storage.strides, 0, storage.dtype)
             image = base.detach().as_strided((extent,), (1,), 0).cpu()
         _host_images[storage] = (storage.version, weakref.ref(image))

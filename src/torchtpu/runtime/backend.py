@@ -65,6 +65,21 @@ def set_current_index(index: int) -> None:
     _current.index = index
 
 
+def index_of(device) -> int:
+    """The index a ``device`` argument of ``torch.tpu``'s functions names: None or
+    ``"tpu"`` is the current device; an int, ``"tpu:1"`` or a ``torch.device``."""
+    import torch
+
+    if device is None:
+        return current_index()
+    if isinstance(device, int):
+        return device
+    device = torch.device(device)
+    if device.type != "tpu":
+        raise ValueError(f"expected a tpu device, got {device}")
+    return device.index if device.index is not None else current_index()
+
+
 def device(index: int | None):
     """The JAX device behind ``tpu:index`` (index None means the current device)."""
     if index is None:
