@@ -149,3 +149,35 @@ def test_a_chunk_reuses_the_buffers_of_dead_inputs_but_never_of_live_ones():
         assert not held.is_deleted()  # an array the user holds is never donated
         assert_same(first_weight, before)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected))
+
+
+def test_a_donated_parameter_buffer_holds_its_updated_value_not_its_gradient():
+    """Note [Donating dead inputs]: JAX gives a donated input to the first output of its
+    shape; the gradient (same shape, written by a matmul while the old weight is still
+    read) would make XLA copy the weight. The chunk lists the optimizer's outputs first."""
+    model = torch.nn.Linear(48, 40, bias=False).to("tpu")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    batch = torch.randn(8, 48, device="tpu")
+    with torch.tpu.set_eager_mode("defer"):
+        for _ in range(2):
+            opt.zero_grad()
+            model(batch).square().mean().backward()
+            opt.step()
+        taken = {}
+        run = defer._run
+
+        def spy(q, reason, needed=()):
+            taken["externals"] = [a.copy() if hasattr(a, "shape") else a for a in q.externals]
+            return run(q, reason, needed)
+
+        defer._run = spy
+        try:
+            opt.zero_grad()
+            model(batch).square().mean().backward()
+            opt.step()
+        finally:
+            defer._run = run
+    key, chunk = next((k, c) for k, c in reversed(defer._CHUNKS.items()) if k[2])
+    hlo = chunk.call.lower(*taken["externals"]).compile().as_text()
+    copies = [line for line in hlo.splitlines() if " copy(" in line and "f32[40,48]" in line]
+    assert not copies, copies
