@@ -57,6 +57,9 @@ class _Queue:
         self.key: list = []
         self.externals: list = []  # arrays and scalars, the chunk's inputs
         self.external_slot: dict[int, int] = {}  # id(array) -> position in externals
+        # external slot -> (op, output): the new base an in-place op wrote over that
+        # array's storage (Note [Donating dead inputs])
+        self.replaced_by: dict[int, tuple[int, int]] = {}
 
 
 # Note [A queue per thread and device]
@@ -133,6 +136,13 @@ def record(plan, args: list, out_avals: list, where: str | None, device: int) ->
         else:
             outputs = [Pending(position, i, s, d, q) for i, (s, d) in enumerate(out_avals)]
             q.outputs.append([weakref.ref(p) for p in outputs])
+        written = plan.written_slots
+        if written:
+            n_out = len(plan.outputs)
+            for j, slot in enumerate(written):
+                kind, a, _ = refs[slot]
+                if kind == 0:
+                    q.replaced_by.setdefault(a, (position, n_out + j))
         q.plans.append(plan)
         q.refs.append(refs)
         q.wheres.append(where)
@@ -251,6 +261,7 @@ def _flush_full(q: _Queue) -> None:
         # Slots are given in order of first use: the head's inputs come first.
         used = [a for refs in head.refs for kind, a, _ in refs if kind == 0]
         head.externals = q.externals[: max(used) + 1] if used else []
+        head.replaced_by = {a: node for a, node in q.replaced_by.items() if node[0] < cut}
         needed = list({(a, b): None for refs in q.refs[cut:] for kind, a, b in refs
                        if kind == 1 and a < cut})  # fmt: skip
         tail = q.home[q.device] = _Queue(q.device, q.home)
@@ -295,9 +306,7 @@ def _run(q: _Queue, reason: str, needed=()) -> dict:
         perf_warnings.note_flush(reason, where)
     live, live_pendings = [], []
     total = 0
-    # Latest ops first: the order in which donated inputs are matched to outputs
-    # (Note [Donating dead inputs]).
-    for position in range(len(q.outputs) - 1, -1, -1):
+    for position in range(len(q.outputs) - 1, -1, -1):  # latest first: see _donation
         refs = q.outputs[position]
         total += len(refs)
         for index, ref in enumerate(refs):
@@ -313,7 +322,12 @@ def _run(q: _Queue, reason: str, needed=()) -> dict:
     live.extend(extra)
     if not live:
         return {}
-    donated = _donatable(q.externals, live_pendings)
+    donated, first = _donation(q.externals, q.replaced_by, live, live_pendings)
+    if first:
+        chosen = set(first)
+        order = first + [i for i in range(len(live)) if i not in chosen]
+        live = [live[i] for i in order]
+        live_pendings = [live_pendings[i] for i in order if i < len(live_pendings)]
     key = (tuple(q.key), tuple(live), donated)
     chunk = _CHUNKS.lookup(key)
     compiled = chunk is None
@@ -362,7 +376,7 @@ def _run(q: _Queue, reason: str, needed=()) -> dict:
 
 
 # sys.getrefcount of an external array that only the queue holds: the queue's list,
-# the loop variable in `_donatable`, and getrefcount's own argument.
+# the loop variable in `_donation`, and getrefcount's own argument.
 _HELD_ONLY_BY_THE_QUEUE = 3
 
 
@@ -372,8 +386,9 @@ def _array_type() -> type:
     return type(jax().numpy.zeros(()))
 
 
-def _donatable(externals: list, live_pendings: list) -> tuple:
-    """Positions of the external arrays the chunk may reuse for its outputs.
+def _donation(externals: list, replaced_by: dict, live: list, live_pendings: list):
+    """The external arrays the chunk may reuse for its outputs, and the outputs they go
+    to: ``(donated positions, indices into live)``, the outputs in the order JAX needs.
 
     Note [Donating dead inputs]
         An array that only the queue still holds (its storage was rebound by an
@@ -381,33 +396,52 @@ def _donatable(externals: list, live_pendings: list) -> tuple:
         runs: donating it lets XLA write an output of the same shape and dtype into
         its buffer instead of allocating a new one. On the CPU a fresh buffer of a few
         MB costs as much as the step's arithmetic (page faults), so a training step
-        runs up to twice as fast. Only as many arrays as there are live outputs of
-        each shape and dtype are donated, so every donation is used. An array anybody
-        else holds -- a tensor, an array the user took with ``materialize``, another
-        storage sharing it -- has more references and is never donated.
+        runs up to twice as fast. An array anybody else holds -- a tensor, an array
+        the user took with ``materialize``, another storage sharing it -- has more
+        references and is never donated.
 
-        JAX gives a donated input to the first output of its shape and dtype. The
-        chunk lists its outputs latest op first, so a parameter's buffer goes to its
-        updated value (the optimizer's op comes last), not to its gradient: written
-        by a matmul while the old parameter is still to be read, the gradient would
-        make XLA copy the parameter first (a 2 MB copy cost a third of an MLP step).
+        Which output a buffer takes matters too. JAX gives the k-th donated input of a
+        shape and dtype to the k-th output of that shape and dtype. Given to another
+        value than the one replacing it -- a parameter's buffer to its gradient,
+        written by a matmul while the old parameter is still to be read, or to
+        another parameter of the same shape -- the buffer makes XLA copy the old
+        value first (a 2 MB copy cost a third of an MLP step). So an array an
+        in-place op wrote over (recorded in ``replaced_by``) goes to exactly that
+        op's new base; another dead array to a live output of its shape that no
+        donation takes, latest op first; and the chunk lists these outputs first, in
+        the order of their inputs. Only arrays with an output to go to are donated.
     """
-    wanted: dict = {}
-    for p in live_pendings:
-        key = (p.shape, np.dtype(p.dtype))
-        wanted[key] = wanted.get(key, 0) + 1
-    donated = []
     array = _array_type()
+    position_in_live = None
+    pairs = []  # (external position, index into live)
+    taken = set()
+    unpaired = []
     for i in range(len(externals)):  # (enumerate's result tuple would hold a reference)
         a = externals[i]
-        if (
-            type(a) is array
-            and sys.getrefcount(a) <= _HELD_ONLY_BY_THE_QUEUE
-            and wanted.get((a.shape, a.dtype), 0) > 0
-        ):
-            wanted[(a.shape, a.dtype)] -= 1
-            donated.append(i)
-    return tuple(donated)
+        if type(a) is not array or sys.getrefcount(a) > _HELD_ONLY_BY_THE_QUEUE:
+            continue
+        node = replaced_by.get(i)
+        if node is not None:
+            if position_in_live is None:
+                position_in_live = {n: j for j, n in enumerate(live)}
+            j = position_in_live.get(node)
+            if j is not None and j < len(live_pendings):
+                pairs.append((i, j))
+                taken.add(j)
+                continue
+        unpaired.append(i)
+    if unpaired:
+        free: dict = {}
+        for j, p in enumerate(live_pendings):  # live is latest op first
+            if j not in taken:
+                free.setdefault((p.shape, np.dtype(p.dtype)), []).append(j)
+        for i in unpaired:
+            a = externals[i]
+            outputs = free.get((a.shape, a.dtype))
+            if outputs:
+                pairs.append((i, outputs.pop(0)))
+        pairs.sort()
+    return tuple(i for i, _ in pairs), [j for _, j in pairs]
 
 
 def _describe_change(old, new) -> str:
