@@ -84,13 +84,13 @@ def read_junit(path: Path) -> dict[str, Outcome]:
 # traceback's end). The class names are what the page groups by.
 _CLASSES: list[tuple[str, str]] = [
     ("timeout", r"Failed: Timeout"),
+    ("zero-element tensor viewed as a wider dtype (ZeroDivisionError)", r"ZeroDivisionError"),
     ("invalid input accepted (the CPU raises)", r"AssertionError: \w+ not raised|DID NOT RAISE"),
     (
         "warning count or text differs",
         r"warnings? (not triggered|were not triggered)|AssertionError: \d+ != \d+ : .*warn|"
         r"UserWarning not triggered",
     ),
-    ("zero-element tensor viewed as a wider dtype (ZeroDivisionError)", r"ZeroDivisionError"),
     ("warning count differs (uint8 mask deprecation)", r"assertEqual\(len\(w\)"),
     ("error message differs", r"AssertionError: \".*\" does not match \""),
     ("storage / data_ptr identity", r"data_ptr|untyped_storage|storage\(\)|set_\("),
@@ -114,7 +114,10 @@ def classify(outcome: Outcome) -> str:
     tail = "\n".join(outcome.text.strip().splitlines()[-40:])
     hay = f"{outcome.message}\n{tail}"
     for name, pattern in _CLASSES:
-        if re.search(pattern, hay):
+        # A chained cause can sit above the traceback's last lines: the zero-element
+        # class is searched in the whole text.
+        where = outcome.text if name.startswith("zero-element") else hay
+        if re.search(pattern, where):
             return name
     m = _EXC.match(outcome.message)
     return f"other {m.group(1)}" if m else "other"
