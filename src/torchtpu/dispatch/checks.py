@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from torchtpu import config, tracing
 
-# (flag array, exception type, message, note) of ops that ran but were not checked yet.
+# (flag array, exception type, message, op, where) of ops that ran but were not checked yet.
 _pending: list[tuple] = []
 
 
