@@ -32,7 +32,7 @@ class Trace:
     def __init__(self, seed, offset):
         self.seed, self.offset = seed, offset
         self.draws = 0  # random ops traced; the RNG offset advances by this per run
-        self.checks: list[tuple] = []  # (flag tracer, exception type, message)
+        self.checks: list[tuple] = []  # (flag tracer, exception type, message, op)
         self.created: list = []  # weak references to the storages made while tracing
         self.cpu_scalars: list = []  # 0-d CPU tensors read as constants
 

@@ -48,7 +48,7 @@ class _Traced(NamedTuple):
 
     layout: object
     draws: int  # random ops: the RNG offset advances by this much per run
-    check_infos: list  # (exception type, message) per check flag output
+    check_infos: list  # (exception type, message, op) per check flag output
 
 
 class Program:
@@ -66,8 +66,8 @@ class Program:
     def _traced(self, static, seed, offset, *arrays):
         with trace(seed, offset) as t:
             outputs, layout = self._trace_fn(static, arrays)
-        self._last = _Traced(layout, t.draws, [(e, m) for _, e, m in t.checks])
-        return list(outputs), [flag for flag, _, _ in t.checks]
+        self._last = _Traced(layout, t.draws, [(e, m, op) for _, e, m, op in t.checks])
+        return list(outputs), [flag for flag, *_ in t.checks]
 
     def __call__(self, static, arrays: list, device: int = 0):
         """Run on concrete ``arrays``; returns (output arrays, layout)."""

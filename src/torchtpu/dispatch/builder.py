@@ -216,10 +216,9 @@ def build(op, lowering, info_: SchemaInfo, rules, values: list, call: Call) -> P
             extra["precision"] = precision
         with value_checks.collect() as collected:
             result = lowering.fn(*args, **extra)
-        # The message names the op once; where it ran is added when it is raised.
+        # The message is torch's; the op and where it ran go in a note when it is raised.
         plan.check_infos = [
-            (exc_type, message if message.startswith(f"{op}:") else f"{op}: {message}")
-            for _, exc_type, message in collected
+            (exc_type, message.removeprefix(f"{op}: "), op) for _, exc_type, message in collected
         ]
         produced = flatten_result(result)
         if len(produced) != len(targets):

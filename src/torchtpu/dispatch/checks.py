@@ -13,23 +13,31 @@ from __future__ import annotations
 
 from torchtpu import config, tracing
 
-# (flag array, exception type, message) of ops that ran but were not checked yet.
+# (flag array, exception type, message, op, where) of ops that ran but were not checked yet.
 _pending: list[tuple] = []
 
 
+def _error(exc_type, message: str, op, where: str) -> BaseException:
+    """The exception of a failed check: torch's message as torch words it, the op and
+    the user's line in a note (PEP 678), so a test matching the message sees torch's."""
+    exc = exc_type(message)
+    exc.add_note(f"torchtpu: raised by {op} ({where})")
+    return exc
+
+
 def defer(flags, infos, where: str) -> None:
-    """Keep checks of an op that ran; ``infos`` are (exc_type, message) per flag.
+    """Keep checks of an op that ran; ``infos`` are (exc_type, message, op) per flag.
 
     Inside a trace the flags are tracers: they become outputs of the program.
     """
     if tracing._active is not None:
         tracing._active.checks.extend(
-            (flag, exc_type, f"{message} ({where})")
-            for flag, (exc_type, message) in zip(flags, infos)
+            (flag, exc_type, message, f"{op}, {where}")
+            for flag, (exc_type, message, op) in zip(flags, infos)
         )
         return
-    for flag, (exc_type, message) in zip(flags, infos):
-        _pending.append((flag, exc_type, f"{message} ({where})"))
+    for flag, (exc_type, message, op) in zip(flags, infos):
+        _pending.append((flag, exc_type, message, op, where))
     if len(_pending) >= config.max_pending_checks:
         raise_pending()
 
@@ -39,9 +47,9 @@ def raise_now(flags, infos, where: str) -> None:
     from torchtpu.runtime import jax
 
     values = jax().device_get(list(flags))
-    for value, (exc_type, message) in zip(values, infos):
+    for value, (exc_type, message, op) in zip(values, infos):
         if bool(value):
-            raise exc_type(f"{message} ({where})")
+            raise _error(exc_type, message, op, where)
 
 
 def raise_pending() -> None:
@@ -52,10 +60,10 @@ def raise_pending() -> None:
 
     pending = list(_pending)
     _pending.clear()
-    values = jax().device_get([flag for flag, _, _ in pending])
-    for value, (_, exc_type, message) in zip(values, pending):
+    values = jax().device_get([entry[0] for entry in pending])
+    for value, (_, exc_type, message, op, where) in zip(values, pending):
         if bool(value):
-            raise exc_type(message)
+            raise _error(exc_type, message, op, where)
 
 
 def to_host(array):

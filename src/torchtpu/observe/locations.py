@@ -67,18 +67,21 @@ def describe(values) -> str:
 
 
 def name_op(exc: BaseException, op) -> BaseException:
-    """Prefix the exception's message with the op's name, keeping its type."""
-    prefix = f"{op}: "
-    if exc.args and isinstance(exc.args[0], str):
-        if not exc.args[0].startswith(prefix):
-            exc.args = (prefix + exc.args[0],) + exc.args[1:]
-    else:
-        exc.args = (prefix.rstrip(": "),) + exc.args
+    """Name the op in a note on the exception (PEP 678), keeping torch's message as torch
+    words it: tests and users match it (``assertRaisesRegex("^Integer division")``)."""
+    note = f"torchtpu: raised by {op}"
+    if not any(n.startswith(note) for n in getattr(exc, "__notes__", ())):
+        exc.add_note(note)
     return exc
 
 
 def add_context(exc: BaseException, op, values) -> BaseException:
-    """Debug mode: note the op, its inputs and the user's line on the exception."""
-    name_op(exc, op)
-    exc.add_note(f"torchtpu: raised by {op}{describe(values)} called from {user_frame()}")
+    """Note the op, its inputs and the user's line on the exception."""
+    note = f"torchtpu: raised by {op}"
+    notes = getattr(exc, "__notes__", [])
+    if any(n.startswith(note + "(") for n in notes):
+        return exc
+    if note in notes:  # name_op's: replaced by this fuller one
+        notes.remove(note)
+    exc.add_note(f"{note}{describe(values)} called from {user_frame()}")
     return exc
