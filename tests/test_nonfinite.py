@@ -22,9 +22,9 @@ def _line() -> int:
 
 def _mlp():
     torch.manual_seed(0)
-    return torch.nn.Sequential(
-        torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3)
-    ).to("tpu")
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3)).to(
+        "tpu"
+    )
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -41,7 +41,10 @@ def test_a_planted_nan_is_named_with_op_and_line(mode):
                 model[2](h).sum() + bad
                 torchtpu.sync()
     message = str(info.value)
-    assert f"aten.log.default at {__file__}:{line} in test_a_planted_nan_is_named_with_op_and_line" in message
+    assert (
+        f"aten.log.default at {__file__}:{line} in test_a_planted_nan_is_named_with_op_and_line"
+        in message
+    )
     assert "made NaN from finite inputs (float32[5, 8])" in message
     assert "its result float32[5, 8] has NaN" in message
 
@@ -169,6 +172,10 @@ def test_detect_anomaly_is_the_cpus(mode):
     with torch.tpu.set_eager_mode(mode):
         got, tpu_warnings = _anomaly("tpu")
     assert type(got) is type(expected) is RuntimeError
-    assert str(got) == str(expected) == "Function '_NanBackwardBackward' returned nan values in its 0th output."
+    assert (
+        str(got)
+        == str(expected)
+        == "Function '_NanBackwardBackward' returned nan values in its 0th output."
+    )
     # The same warnings (anomaly mode on; the forward traceback), and no fallback.
     assert [w.split("\n")[0] for w in tpu_warnings] == [w.split("\n")[0] for w in cpu_warnings]

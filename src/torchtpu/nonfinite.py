@@ -156,9 +156,7 @@ class _DetectNonFinite(TorchDispatchMode):
                             outs.add(id(t))
         leaves = tree_leaves((args, kwargs))
         inputs = [t for t in leaves if _inexact(t) and id(t) not in outs]
-        if not any(isinstance(t, TPUTensor) for t in leaves) or not _finite_on_host(
-            leaves, inputs
-        ):
+        if not any(isinstance(t, TPUTensor) for t in leaves) or not _finite_on_host(leaves, inputs):
             return func(*args, **kwargs)
         inputs = [t for t in inputs if isinstance(t, TPUTensor)]
         with torch.no_grad():
