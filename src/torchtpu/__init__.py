@@ -61,6 +61,9 @@ __all__ = [
     "check_against_cpu",
     "TPUDivergenceError",
     "TPUDivergenceWarning",
+    "detect_nonfinite",
+    "TPUNonFiniteError",
+    "TPUNonFiniteWarning",
 ]
 
 device.register()
@@ -152,11 +155,30 @@ def check_against_cpu(action: str = "raise"):
     return check(action)
 
 
+def detect_nonfinite(action: str = "raise"):
+    """Context manager: the first tpu op that makes a NaN or an Inf from finite inputs
+    raises `TPUNonFiniteError` (``action="warn"``: warns) naming the op, your line, the
+    shapes and dtypes, and which result holds it. Forward and backward, every eager
+    mode (DeferAndFuse reads the flags once per flush). Example::
+
+        with torchtpu.detect_nonfinite():
+            loss = model(batch).loss
+            loss.backward()
+    """
+    from torchtpu.nonfinite import detect_nonfinite as detect
+
+    return detect(action)
+
+
 def __getattr__(name: str):
     if name in ("TPUDivergenceError", "TPUDivergenceWarning"):
         from torchtpu import divergence
 
         return getattr(divergence, name)
+    if name in ("TPUNonFiniteError", "TPUNonFiniteWarning"):
+        from torchtpu import nonfinite
+
+        return getattr(nonfinite, name)
     raise AttributeError(f"module 'torchtpu' has no attribute {name!r}")
 
 

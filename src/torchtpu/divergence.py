@@ -31,7 +31,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from torchtpu.dispatch import backward_errors
 from torchtpu.observe import compare
-from torchtpu.observe.locations import user_frame
+from torchtpu.observe.locations import op_location
 from torchtpu.tensor import TPUTensor
 
 aten = torch.ops.aten
@@ -84,7 +84,7 @@ class _AgainstCPU(TorchDispatchMode):
             if isinstance(t, torch.Tensor)
         )
         message = (
-            f"torchtpu: {func} at {_where()} differs from the CPU for the same inputs "
+            f"torchtpu: {func} at {op_location()} differs from the CPU for the same inputs "
             f"({inputs}): {problem}"
         )
         if self.action == "warn":
@@ -103,36 +103,6 @@ def _host_copy(value):
     if isinstance(value, torch.device) and value.type == "tpu":
         return torch.device("cpu")
     return value
-
-
-def _where() -> str:
-    """The user's line; in backward, the forward line that made the node."""
-    node = torch._C._current_autograd_node()
-    if node is not None:
-        stack = node.metadata.get("traceback_") if hasattr(node, "metadata") else None
-        if stack:
-            frames = _user_lines(stack)
-            if frames:
-                return f"{frames[-1]} (backward of the op created there)"
-        return f"backward of {node.name()}"
-    return user_frame()
-
-
-def _user_lines(stack) -> list[str]:
-    """The user's frames in a forward traceback anomaly mode kept (a list of strings)."""
-    from torchtpu.observe.locations import _is_library
-
-    lines = []
-    for entry in stack:
-        for line in str(entry).splitlines():
-            line = line.strip()
-            if line.startswith('File "'):
-                filename = line.split('"')[1]
-                if not _is_library(filename):
-                    number = line.split("line ")[1].split(",")[0]
-                    function = line.rsplit(" in ", 1)[-1]
-                    lines.append(f"{filename}:{number} in {function}")
-    return lines
 
 
 def _difference(func, result, expected, on_cpu) -> str | None:

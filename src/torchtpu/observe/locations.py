@@ -35,9 +35,62 @@ def user_frame() -> str:
     while frame is not None:
         code = frame.f_code
         if not _is_library(code.co_filename):
-            return f"{code.co_filename}:{frame.f_lineno} in {code.co_name}"
+            return location(code.co_filename, frame.f_lineno, code.co_name)
         frame = frame.f_back
     return "<unknown>"
+
+
+def location(filename: str, line: int, function: str) -> str:
+    """``file:line in function``; a notebook cell as IPython names it (``Cell In[3], line 4``)."""
+    cell = _notebook_cell(filename)
+    if cell is not None:
+        return f"Cell In[{cell}], line {line} in {function}"
+    return f"{filename}:{line} in {function}"
+
+
+def _notebook_cell(filename: str) -> int | None:
+    """The execution count of the cell whose code IPython compiled as ``filename``.
+
+    IPython runs a cell as code from a temporary file (``/tmp/ipykernel_123/456.py``)
+    and keeps the map from those names to execution counts in its compiler
+    (IPython/core/compilerop.py, ``_filename_map``). Only an IPython already imported
+    is asked: outside a kernel this costs one dict lookup."""
+    ipython = sys.modules.get("IPython")
+    if ipython is None:
+        return None
+    try:
+        return ipython.get_ipython().compile._filename_map.get(filename)
+    except AttributeError:  # no running shell, or an IPython without the map
+        return None
+
+
+def op_location() -> str:
+    """The user's line of the op running now; in backward, the forward line that made
+    the autograd node (from the forward traceback anomaly mode keeps)."""
+    node = torch._C._current_autograd_node()
+    if node is not None:
+        stack = node.metadata.get("traceback_") if hasattr(node, "metadata") else None
+        if stack:
+            frames = _user_lines(stack)
+            if frames:
+                return f"{frames[-1]} (backward of the op created there)"
+        return f"backward of {node.name()}"
+    return user_frame()
+
+
+def _user_lines(stack) -> list[str]:
+    """The user's frames in a forward traceback anomaly mode kept (a list of strings)."""
+    lines = []
+    for entry in stack:
+        for line in str(entry).splitlines():
+            line = line.strip()
+            if line.startswith('File "'):
+                filename = line.split('"')[1]
+                if not _is_library(filename):
+                    number = line.split("line ")[1].split(",")[0]
+                    function = line.rsplit(" in ", 1)[-1]
+                    lines.append(location(filename, int(number), function))
+    return lines
 
 
 def user_stacklevel() -> int:

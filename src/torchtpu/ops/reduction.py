@@ -205,6 +205,18 @@ def any_dim(self, dim=None, keepdim=False):
     return jnp.any(self != 0, axis=_axes(self, dim), keepdims=keepdim)
 
 
+# torch's checks of a bool tensor, as used by autograd's anomaly mode (`check_nan`) and
+# torch._assert_async: the self of both is a bool tensor.
+@lowers(aten._is_any_true.default)
+def is_any_true(self):
+    return jnp.any(self)
+
+
+@lowers(aten._is_all_true.default)
+def is_all_true(self):
+    return jnp.all(self)
+
+
 @lowers(aten.all.default)
 def all_(self):
     return jnp.all(self != 0)
