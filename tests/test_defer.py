@@ -110,6 +110,38 @@ def test_only_live_values_are_outputs(deferred):
     assert torchtpu.metrics()["chunk_values"] == {"outputs": 2, "dropped": 2}
 
 
+def test_a_queue_of_one_op_runs_as_that_ops_program():
+    """Note [A chunk of one op]: a value read after one op runs the op's own program,
+    the one Strict compiled, and compiles no chunk."""
+    x = torch.randn(5, 7, device="tpu")
+    assert_same(x * 3, x.cpu() * 3)  # Strict compiles the op
+    with torch.tpu.set_eager_mode("defer"):
+        torchtpu.reset_metrics()
+        for _ in range(3):
+            assert_same(x * 3, x.cpu() * 3)
+        y = x.clone()
+        assert_same(y, x.cpu())
+        y.mul_(2)  # an in-place op: its written base is the queue's output
+        assert_same(y, x.cpu() * 2)
+        assert defer.pending_count() == 0
+    metrics = torchtpu.metrics()
+    assert metrics["flushes"] == {"value read": 5}
+    assert "chunk" not in metrics.get("compiles", {})
+
+
+def test_error_in_a_queue_of_one_op_names_the_op_and_line(deferred):
+    x = torch.arange(3.0, device="tpu")
+    index = torch.tensor([7], device="tpu")
+    torchtpu.sync()
+    bad = x[index]  # the line to be named
+    line = sys._getframe().f_lineno - 1
+    assert defer.pending_count() == 1
+    with pytest.raises(IndexError) as info:
+        bad.cpu()
+    notes = "\n".join(info.value.__notes__)
+    assert "aten.index.Tensor" in notes and f"{__file__}:{line}" in notes
+
+
 def test_mutation_order_and_views(deferred):
     base = torch.zeros(3, 4, device="tpu")
     row = base[1]

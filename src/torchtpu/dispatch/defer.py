@@ -305,9 +305,14 @@ def _run(q: _Queue, reason: str, needed=()) -> dict:
     metrics.count("flushes", reason)
     _threads.runs += 1
     perf_warnings.note_read()
-    where = user_frame()
+    # The user's line costs a stack walk: taken where a warning, explain() or a
+    # compile can use it.
+    where = user_frame() if reason == "value read" or metrics._recorders else None
     if reason == "value read":
         perf_warnings.note_flush(reason, where)
+    if len(q.plans) == 1 and not needed:
+        _run_one(q, reason, where)
+        return {}
     live, live_pendings = [], []
     total = 0
     for position in range(len(q.outputs) - 1, -1, -1):  # latest first: see _donation
@@ -338,6 +343,7 @@ def _run(q: _Queue, reason: str, needed=()) -> dict:
     if compiled:
         chunk = _Chunk(list(zip(q.plans, q.refs)), live, donated)
         _CHUNKS.insert(key, chunk)
+        where = where or user_frame()
         perf_warnings.note_compile("a DeferAndFuse chunk", where, (q.plans, live), _describe_change)
 
     def record_event(failed: bool) -> None:
@@ -379,6 +385,53 @@ def _run(q: _Queue, reason: str, needed=()) -> dict:
         return {}
     produced = dict(zip(live, values))
     return {n: produced[n] for n in needed}
+
+
+def _run_one(q: _Queue, reason: str, where: str | None) -> None:
+    """Run a queue of one op as that op's own compiled plan, as Strict would.
+
+    Note [A chunk of one op]
+        Reading a value right after one op (a notebook printing each result) makes a
+        queue of one op. Its plan's jitted function is the chunk already: running it
+        skips the chunk's cache key, donation and output bookkeeping, and compiles no
+        chunk -- the program is the one Strict runs for that op, compiled once for
+        both modes. Nothing is donated (Strict donates nothing either)."""
+    plan, refs = q.plans[0], q.refs[0]
+    externals = q.externals
+    args = [externals[a] for _, a, _ in refs]  # a one-op queue refers to no other op
+    pendings = [ref() for ref in q.outputs[0]]
+    compiled = not plan.compiled
+    metrics.event(
+        "flush", reason=reason, where=where, ops=1, outputs=sum(p is not None for p in pendings),
+        compiled=compiled, failed=False,
+    )  # fmt: skip
+    try:
+        start = time.perf_counter()
+        if q.device:
+            from torchtpu.runtime import device as jax_device
+
+            with jax().default_device(jax_device(q.device)):
+                flat = plan.call(*args)
+        else:
+            flat = plan.call(*args)
+        if compiled:
+            plan.compiled = True
+            metrics.count("compiles", "op")
+            metrics.count("compile_seconds", "op", time.perf_counter() - start)
+    except Exception as exc:
+        error = _annotate(_NodeError(0, exc), q)
+        for pending in pendings:
+            if pending is not None:
+                pending.error = error
+        raise error from None
+    for pending, value in zip(pendings, flat):
+        if pending is not None:
+            pending.value = value
+    if plan.check_infos:
+        n = len(plan.outputs) + len(plan.written_slots)
+        checks.defer(list(flat[n:]), plan.check_infos, f"called from {q.wheres[0]}")
+    for hook in after_run:
+        hook(reason)
 
 
 # sys.getrefcount of an external array that only the queue holds: the queue's list,
