@@ -9,6 +9,7 @@ each process has JAX's one CPU device.
 from __future__ import annotations
 
 import json
+import math
 import os
 import socket
 import subprocess
@@ -252,20 +253,35 @@ def _():
     dist.all_to_all_single(b, a, [1, 2], [2, 1] if R == 0 else [1, 2])
 
 
-@check("collective_in_jit")
+@check("collectives_in_programs")
 def _():
+    import torch.distributed._functional_collectives as funcol
+
     @torchtpu.jit
     def step(x):
-        y = x * 2
-        dist.all_reduce(y)
-        return y
+        y = x * (R + 1)
+        dist.all_reduce(y)  # a psum inside the step's program
+        return y + 1
 
-    first = step(torch.ones(2, device="tpu")).tolist()  # the first call runs eagerly
-    try:
-        step(torch.ones(2, device="tpu"))  # the second traces: refused on every rank
-    except NotImplementedError as exc:
-        return [first, str(exc)]
-    return [first, None]
+    torchtpu.reset_metrics()
+    steps = [step(torch.ones(2, device="tpu") * (i + 1)).tolist() for i in range(3)]
+    step_metrics = torchtpu.metrics()
+
+    def f(x):
+        y = torch.sin(x) * (R + 1)
+        total = funcol.all_reduce(y, "sum", dist.group.WORLD)
+        gathered = funcol.all_gather_tensor(y, 0, dist.group.WORLD)
+        scattered = funcol.reduce_scatter_tensor(gathered, "sum", 0, dist.group.WORLD)
+        return total * 2, gathered, scattered
+
+    torchtpu.reset_metrics()
+    compiled = torch.compile(f, backend="tpu")
+    x = torch.arange(4.0, device="tpu")
+    outs = [[t.tolist() for t in compiled(x + i)] for i in range(2)]
+    graph_metrics = torchtpu.metrics()
+    return [steps, step_metrics.get("compiles"), step_metrics.get("compiled_collectives"),
+            outs, graph_metrics.get("compiles"), graph_metrics.get("compiled_collectives"),
+            graph_metrics.get("fallback")]
 
 
 @check("send_recv")
@@ -299,7 +315,7 @@ class Net(torch.nn.Module):
         return self.body(x)
 
 
-def ddp_run(mode, bn=False, no_sync=False, unused=False, compiled=False):
+def ddp_run(mode, bn=False, no_sync=False, unused=False, compiled=False, jit=False):
     torch.manual_seed(R)  # different weights per rank: DDP broadcasts rank 0's
     model = Net(bn, unused)
     gen = torch.Generator().manual_seed(123)
@@ -311,8 +327,18 @@ def ddp_run(mode, bn=False, no_sync=False, unused=False, compiled=False):
         opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
         if compiled:
             ddp = torch.compile(ddp, backend="tpu")
+        def step(xs, ys):  # under torchtpu.jit: one program, gradient all-reduce inside
+            opt.zero_grad()
+            mse(ddp(xs), ys).backward()
+            opt.step()
+
+        if jit:
+            step = torchtpu.jit(step)
         for x, y in batches:
             xs, ys = x[R * 2:R * 2 + 2].to("tpu"), y[R * 2:R * 2 + 2].to("tpu")
+            if jit:
+                step(xs, ys)
+                continue
             opt.zero_grad()
             if no_sync:  # two micro-batches of one row each: gradients sync on the second
                 with ddp.no_sync():
@@ -347,6 +373,7 @@ check("ddp_no_sync")(lambda: ddp_run("strict", no_sync=True))
 check("ddp_batchnorm")(lambda: ddp_run("strict", bn=True))
 check("ddp_unused")(lambda: ddp_run("strict", unused=True))
 check("ddp_compiled")(lambda: ddp_run("strict", compiled=True))
+check("ddp_jit")(lambda: ddp_run("strict", jit=True))
 
 
 @check("functional_collectives")
@@ -721,10 +748,23 @@ def test_all_to_all_split_mismatch_raises_on_each_rank(checks):
         assert kind == "CollectiveMismatchError" and "expects" in message, message
 
 
-def test_a_collective_inside_a_compiled_program_is_refused_clearly(checks):
-    for first, message in outcome(checks, "collective_in_jit"):
-        assert first == [4.0, 4.0]
-        assert message is not None and "not supported yet" in message
+def test_collectives_inside_compiled_programs(checks):
+    """Note [Collectives in compiled programs]: a collective in a torchtpu.jit step or a
+    torch.compile graph is part of the program, one SPMD program over both processes."""
+    for rank, got in enumerate(outcome(checks, "collectives_in_programs")):
+        steps, step_compiles, step_collectives, outs, graph_compiles, graph_collectives, fb = got
+        assert steps == [[4.0, 4.0], [7.0, 7.0], [10.0, 10.0]]  # (i+1)*1 + (i+1)*2, + 1
+        assert step_compiles.get("step") == 1
+        assert step_collectives == {"all_reduce": 1}
+        for i, (total, gathered, scattered) in enumerate(outs):
+            y = [[math.sin(v + i) * (r + 1) for v in range(4)] for r in (0, 1)]
+            assert total == pytest.approx([2 * (a + b) for a, b in zip(*y)], abs=1e-6)
+            assert gathered == pytest.approx(y[0] + y[1], abs=1e-6)
+            # each rank receives its chunk of ``gathered`` summed over both ranks
+            assert scattered == pytest.approx([2 * v for v in y[rank]], abs=1e-6)
+        assert graph_compiles.get("graph") == 1 and "collective" not in graph_compiles
+        assert graph_collectives == {"all_reduce": 1, "all_gather": 1, "reduce_scatter": 1}
+        assert fb is None
 
 
 def test_send_recv(checks):
@@ -736,6 +776,11 @@ def test_send_recv(checks):
 @pytest.mark.parametrize("mode", ["strict", "defer", "debug"])
 def test_ddp_matches_full_batch_reference(checks, mode):
     for diff, equal, _, _ in outcome(checks, f"ddp_{mode}"):
+        assert diff <= 1e-6 and equal
+
+
+def test_ddp_inside_torchtpu_jit(checks):
+    for diff, equal, _, _ in outcome(checks, "ddp_jit"):
         assert diff <= 1e-6 and equal
 
 

@@ -35,6 +35,9 @@ class Trace:
         self.checks: list[tuple] = []  # (flag tracer, exception type, message, op)
         self.created: list = []  # weak references to the storages made while tracing
         self.cpu_scalars: list = []  # 0-d CPU tensors read as constants
+        # The devices (one per process) the program runs over as one SPMD program, when
+        # it holds collectives (Note [Collectives in compiled programs]); else None.
+        self.mesh: tuple | None = None
 
     def draw(self):
         """(seed, offset) of the next random op: traced values, offset by its rank."""
@@ -44,6 +47,27 @@ class Trace:
 
 
 _active: Trace | None = None
+
+
+# The mesh axis of programs over several processes' devices: torch.distributed
+# collectives (distributed/collectives.py) and the compiled programs that hold them.
+MESH_AXIS = "r"
+
+# [collectives of tpu values run outside traces so far, the devices of the last]: how
+# torchtpu.jit's eager first call learns that its step holds collectives, so that it
+# traces the step over their devices at once (a trace stopped half-way by `NeedsMesh`
+# would leave DDP's reducer, which counts the gradients it has seen, half-way too).
+eager_collectives: list = [0, None]
+
+
+class NeedsMesh(Exception):
+    """Raised out of a trace that met a torch.distributed collective: the program must be
+    traced again as one SPMD program over ``devices``, the collective's devices in
+    group-rank order (Note [Collectives in compiled programs] in compile/program.py)."""
+
+    def __init__(self, devices: tuple):
+        super().__init__("a collective needs the program traced over its group's devices")
+        self.devices = devices
 
 
 def active() -> Trace | None:

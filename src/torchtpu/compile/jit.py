@@ -168,6 +168,9 @@ class StepFunction:
         self._state: list | None = None  # state storages, in program input order
         self._donated: tuple = ()  # positions in _state: Note [Donating the step's state]
         self._variants: dict = {}  # argument signature -> [_Variant]
+        # The devices of the step's collectives, found by the first call: the programs
+        # run over them (Note [Collectives in compiled programs] in program.py).
+        self._mesh: tuple | None = None
         functools.update_wrapper(self, fn)
 
     # -- arguments ------------------------------------------------------------------
@@ -239,8 +242,12 @@ class StepFunction:
         """Run eagerly, finding the state and the optimizers (see the module doc)."""
         signature, arg_arrays = self._split(args, kwargs)
         call_args, call_kwargs = self._rebuild(signature, arg_arrays)
+        collectives_before = tracing.eager_collectives[0]
         with _Watch() as watch, _Optimizers() as optimizers:
             result = self.fn(*call_args, **call_kwargs)
+        if tracing.eager_collectives[0] != collectives_before:
+            # Note [Collectives in compiled programs] in program.py
+            self._mesh = tracing.eager_collectives[1]
         for opt in optimizers.found.values():
             _make_capturable(opt)
         own = {
@@ -257,7 +264,10 @@ class StepFunction:
     def _trace(self, signature, variants: list) -> _Variant:
         variant = _Variant(None)
         variant.program = Program(
-            functools.partial(self._trace_step, variant), "step", donate=self._donated
+            functools.partial(self._trace_step, variant),
+            "step",
+            donate=self._donated,
+            mesh=self._mesh,
         )
         variants.append(variant)
         perf_warnings.note_compile(

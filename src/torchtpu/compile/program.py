@@ -7,6 +7,21 @@ ops on TPUTensors holding those arrays and returns its output arrays and a *layo
 `trace`, so the random ops' seed and offset are program inputs and value
 checks are program outputs, and after each run it advances the RNG and files the
 checks as eager ops do (checks.py).
+
+Note [Collectives in compiled programs]
+    A torch.distributed collective is a program over the group's devices, one per
+    process. A traced function that calls one (a ``dist.all_reduce`` in a
+    ``torchtpu.jit`` step, a functional collective in a ``torch.compile`` graph) is
+    therefore compiled as ONE SPMD program over those devices: the first trace stops at
+    the collective (`tracing.NeedsMesh`) -- or, for torchtpu.jit, whose first call runs
+    eagerly, that call's collectives tell before any trace (`tracing.eager_collectives`)
+    -- and the Program traces inside
+    ``shard_map`` over a 1-D mesh (axis ``"r"``, as collectives.py uses). Each
+    process's arrays are its blocks of global arrays, the body computes on its own
+    block as before, and the collective is the same ``lax`` body the eager collective
+    runs -- now fused with the computation around it. Every process must call the
+    compiled function (the rule of docs/distributed.md); a program without
+    collectives stays a program of this process alone.
 """
 
 from __future__ import annotations
@@ -16,6 +31,7 @@ import time
 from collections.abc import Callable
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from torchtpu import rng, tracing
@@ -52,7 +68,7 @@ class _Traced(NamedTuple):
 
 
 class Program:
-    def __init__(self, trace_fn: Callable, kind: str, donate: tuple = ()):
+    def __init__(self, trace_fn: Callable, kind: str, donate: tuple = (), mesh=None):
         self._trace_fn = trace_fn
         self.kind = kind  # "graph" (torch.compile) or "step" (torchtpu.jit), for metrics
         # ``donate``: positions of the arrays whose buffers the program may reuse for
@@ -60,14 +76,25 @@ class Program:
         self._jitted = jax().jit(
             self._traced, static_argnums=0, donate_argnums=tuple(3 + i for i in donate)
         )
+        self._donate = donate
         self._signatures: dict = {}
         self._last: _Traced | None = None
+        self._mesh: tuple | None = None  # Note [Collectives in compiled programs]
+        if mesh is not None:
+            self._over_mesh(mesh)
 
     def _traced(self, static, seed, offset, *arrays):
         with trace(seed, offset) as t:
+            t.mesh = self._mesh
             outputs, layout = self._trace_fn(static, arrays)
         self._last = _Traced(layout, t.draws, [(e, m, op) for _, e, m, op in t.checks])
         return list(outputs), [flag for flag, *_ in t.checks]
+
+    def _over_mesh(self, devices: tuple) -> None:
+        """From now on, trace and run as one SPMD program over ``devices``."""
+        self._mesh = devices
+        self._jitted = _SPMD(self._traced, devices, self._donate)
+        self._signatures.clear()
 
     def __call__(self, static, arrays: list, device: int = 0):
         """Run on concrete ``arrays``; returns (output arrays, layout)."""
@@ -75,7 +102,12 @@ class Program:
         traced = self._signatures.get(signature)
         seed, offset = rng.peek(device)
         start = time.perf_counter()
-        outputs, flags = self._jitted(static, seed, offset, *arrays)
+        try:
+            outputs, flags = self._jitted(static, seed, offset, *arrays)
+        except tracing.NeedsMesh as need:
+            self._over_mesh(need.devices)
+            traced = None
+            outputs, flags = self._jitted(static, seed, offset, *arrays)
         if traced is None:
             # A new signature: this call traced and compiled (or loaded from JAX's
             # persistent cache) a program. The seconds include its first run.
@@ -93,6 +125,62 @@ class Program:
         elif modes.is_debug():
             jax().block_until_ready(outputs)
         return outputs, traced.layout
+
+
+class _SPMD:
+    """``traced`` as one ``jax.jit(shard_map(...))`` over ``devices`` (one per process,
+    in group-rank order), called like the single-process program: with this process's
+    arrays, returning its own outputs (Note [Collectives in compiled programs])."""
+
+    def __init__(self, traced, devices: tuple, donate: tuple):
+        from jax.sharding import Mesh, NamedSharding
+        from jax.sharding import PartitionSpec as P
+
+        self.n = len(devices)
+        axis = tracing.MESH_AXIS
+        mesh = Mesh(np.array(devices, dtype=object), (axis,))
+        self.sharding = NamedSharding(mesh, P(axis))
+        self.local = next(d for d in devices if d.process_index == jax().process_index())
+        self.scalar_outputs: dict = {}  # static -> which outputs are 0-d (found tracing)
+
+        def program(static, seed, offset, *arrays):
+            def blocks(seed, offset, *arrays):
+                # a block of a 0-d value carries a leading axis of 1 (see _block)
+                values = [a[0] for a in (seed, offset)]
+                values += [a if len(s) else a[0] for a, s in zip(arrays, static[1], strict=True)]
+                outputs, flags = traced(static[0], *values)
+                self.scalar_outputs[static] = [o.ndim == 0 for o in outputs]
+                return [o if o.ndim else o[None] for o in outputs], [f[None] for f in flags]
+
+            mapped = jax().shard_map(
+                blocks, mesh=mesh, in_specs=P(axis), out_specs=P(axis), check_vma=False
+            )
+            return mapped(seed, offset, *arrays)
+
+        self.jitted = jax().jit(
+            program, static_argnums=0, donate_argnums=tuple(3 + i for i in donate)
+        )
+
+    def _block(self, value, dtype=None):
+        """This process's ``value`` as its block of a global array sharded over the mesh."""
+        a = jax().numpy.asarray(value, dtype) if dtype is not None else value
+        a = jax().device_put(a, self.local) if dtype is not None else a
+        block = a if a.ndim else a.reshape(1)
+        shape = (self.n * block.shape[0], *block.shape[1:])
+        return jax().make_array_from_single_device_arrays(shape, self.sharding, [block])
+
+    def __call__(self, static, seed, offset, *arrays):
+        int64 = jax().numpy.int64
+        inputs = [self._block(seed, int64), self._block(offset, int64)]
+        inputs += [self._block(a) for a in arrays]
+        key = (static, tuple(tuple(a.shape) for a in arrays))
+        outputs, flags = self.jitted(key, *inputs)
+        scalars = self.scalar_outputs[key]
+        outputs = [
+            o.addressable_data(0).reshape(()) if scalar else o.addressable_data(0)
+            for o, scalar in zip(outputs, scalars, strict=True)
+        ]
+        return outputs, [f.addressable_data(0).reshape(()) for f in flags]
 
 
 def tensor_of(array, dtype: torch.dtype) -> TPUTensor:

@@ -20,15 +20,16 @@ reduce-scatter is a psum followed by taking this rank's slice.
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 from typing import NamedTuple
 
 import numpy as np
 
-from torchtpu import runtime
+from torchtpu import runtime, tracing
 from torchtpu.observe import metrics
 
-AXIS = "r"
+AXIS = tracing.MESH_AXIS
 
 SUM, AVG, PRODUCT, MIN, MAX, BAND, BOR, BXOR, PREMUL_SUM = (
     "sum", "avg", "product", "min", "max", "band", "bor", "bxor", "premul_sum",
@@ -49,7 +50,15 @@ _PROGRAMS = metrics.LRUCache("collective_cache", lambda: 256)
 
 
 def run(spec: Spec, arrays) -> list:
-    """Run the collective ``spec`` on this process's ``arrays``; its local results."""
+    """Run the collective ``spec`` on this process's ``arrays``; its local results.
+
+    Inside a compiled program's trace a collective of traced values becomes part of
+    that program (Note [Collectives in compiled programs] in compile/program.py); one
+    of concrete values (CPU tensors: DDP's bucket sizes, object collectives) runs now,
+    as Python needs its result while tracing."""
+    trace = tracing._active
+    if trace is not None and any(isinstance(a, runtime.jax().core.Tracer) for a in arrays):
+        return _in_trace(trace, spec, arrays)
     program = _PROGRAMS.lookup(spec)
     if program is None:
         with metrics.timer("compile_seconds", "collective"):
@@ -58,7 +67,36 @@ def run(spec: Spec, arrays) -> list:
         _PROGRAMS.insert(spec, program)
     metrics.count("collectives", spec.kind)
     metrics.count("collective_bytes", spec.kind, sum(a.size * a.dtype.itemsize for a in arrays))
+    if trace is None:
+        tracing.eager_collectives[0] += 1
+        tracing.eager_collectives[1] = spec.devices
+    else:
+        # Concrete values in a trace: run now, on a thread of its own, where neither the
+        # trace nor the program's mesh is JAX's context, so nothing is staged.
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            return pool.submit(program, arrays).result()
     return program(arrays)
+
+
+def _in_trace(trace, spec: Spec, arrays) -> list:
+    """The collective traced into the program: its body, inside the program's
+    ``shard_map`` over the mesh axis ``"r"``."""
+    if trace.mesh is None:
+        raise tracing.NeedsMesh(spec.devices)  # trace again, as an SPMD program
+    mesh = trace.mesh
+    if spec.kind == "permute" and set(spec.devices) <= set(mesh):
+        # point to point between two ranks of the program's mesh
+        source, dest = (mesh.index(spec.devices[i]) for i in spec.static)
+        spec = spec._replace(static=(source, dest), devices=mesh)
+    if spec.devices != mesh:
+        raise NotImplementedError(
+            "a torch.distributed collective over a subgroup inside a compiled program "
+            "(torch.compile(backend='tpu') or torchtpu.jit): the program runs over the "
+            f"devices of its first collective's group ({len(mesh)} processes), and this one's "
+            f"group has {len(spec.devices)}. Run it outside the compiled function."
+        )
+    metrics.count("compiled_collectives", spec.kind)  # traced into a program
+    return list(_BODIES[spec.kind](spec, len(mesh), mesh[0].platform)(list(arrays)))
 
 
 def group_devices(global_ranks, local_index: int) -> tuple:

@@ -88,18 +88,9 @@ class ProcessGroupTPU(ProcessGroup):
         fsdp_storage.install_if_imported()
         defer.flush("collective")
         index = _local_index(tensors)
-        arrays = [
+        return [
             materialize(t) if isinstance(t, TPUTensor) else to_device(t, index) for t in tensors
         ]
-        if any(isinstance(a, runtime.jax().core.Tracer) for a in arrays):
-            raise NotImplementedError(
-                "a torch.distributed collective inside torch.compile(backend='tpu') or "
-                "torchtpu.jit is not supported yet: the compiled program runs on this "
-                "process's device alone, and a collective is a program over the group's "
-                "devices. Run the collective outside the compiled function (as DDP's gradient "
-                "all-reduce runs outside torch.compile's graphs)."
-            )
-        return arrays
 
     def _agree(self, spec: Spec, info=None) -> list:
         """Compare ``spec`` with every other rank's through the store (a mismatch raises
@@ -324,7 +315,8 @@ class ProcessGroupTPU(ProcessGroup):
     def barrier(self, opts=None):
         token = torch.zeros((), dtype=torch.int32)
         (r,), _ = self._run("all_reduce", [token], collectives.SUM)
-        r.block_until_ready()
+        if not isinstance(r, runtime.jax().core.Tracer):  # in a program, the psum orders
+            r.block_until_ready()
         return self._done([token])
 
     def monitored_barrier(self, timeout=None, wait_all_ranks=False):
