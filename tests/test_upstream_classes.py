@@ -43,3 +43,79 @@ def test_failures_are_classified():
     )
     assert cls("Failed: Timeout (>120.0s) from pytest-timeout.") == "timeout"
     assert cls("KeyError: 3") == "other KeyError"
+
+
+def _raised(fn):
+    """(exception type, message) of ``fn()``, or None when it returns."""
+    try:
+        fn()
+    except Exception as exc:
+        return type(exc), str(exc)
+    return None
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        # add/sub's alpha_check: made by the CPU kernels, not the meta kernels
+        lambda d: torch.add(torch.tensor([True, False], device=d), True, alpha=1.1),
+        lambda d: torch.add(torch.tensor([1, 2], device=d), 3, alpha=1.0),
+        lambda d: torch.sub(torch.tensor([1.0], device=d), 2.0, alpha=True),
+        lambda d: torch.rsub(torch.tensor([1.0], device=d), 2.0, alpha=1j),
+        # a JAX TypeError where the CPU kernel raises its own (NotImplementedError)
+        lambda d: torch.floor(torch.ones(2, dtype=torch.complex64, device=d)),
+        lambda d: torch.ceil(
+            torch.ones(2, dtype=torch.complex64, device=d),
+            out=torch.empty(2, dtype=torch.complex64, device=d),
+        ),
+        # nonzero's out= must be int64, whatever its shape
+        lambda d: torch.nonzero(
+            torch.tensor([0, 1, 1], device=d), out=torch.empty([], dtype=torch.float, device=d)
+        ),
+    ],
+)
+def test_invalid_input_is_refused_as_on_the_cpu(call):
+    expected = _raised(lambda: call("cpu"))
+    assert expected is not None
+    assert _raised(lambda: call("tpu")) == expected
+
+
+def test_what_the_alpha_check_lets_through_still_works():
+    for device in ("cpu", "tpu"):
+        x = torch.tensor([1, 2], device=device)
+        assert torch.add(x, x, alpha=3).tolist() == [4, 8]
+        assert torch.add(x.float(), x, alpha=0.5).tolist() == [1.5, 3.0]
+        assert torch.add(torch.tensor([True], device=device), True, alpha=True).tolist() == [True]
+
+
+@pytest.mark.parametrize("dtype", [torch.bool, torch.float32, torch.complex64, torch.int16])
+def test_zero_element_complex_dtype_views(dtype):
+    """A view of an empty complex tensor as another dtype: its last dim scales with
+    the element size, and nothing divides by the number of elements."""
+    for device in ("cpu", "tpu"):
+        e = torch.empty(0, 5, 64, dtype=torch.bool, device=device)
+        view = e.view(torch.complex128).view(dtype)
+        if device == "cpu":
+            expected = view
+        else:
+            assert view.shape == expected.shape and view.dtype == expected.dtype
+            assert (view == view).shape == expected.shape
+
+
+def test_uint8_masks_warn_as_on_the_cpu():
+    import warnings
+
+    counts = {}
+    for device in ("cpu", "tpu"):
+        v = torch.randn(5, 7, 3, device=device)
+        mask = torch.tensor([1, 0, 1, 1, 0], dtype=torch.uint8, device=device)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            v[mask]
+            v[mask, :, torch.tensor([1, 1, 1], dtype=torch.uint8, device=device)]
+            v.index_put_((mask,), torch.zeros(3, 7, 3, device=device), accumulate=True)
+        mine = [w for w in caught if "uint8" in str(w.message)]
+        assert all(w.filename == __file__ for w in mine)  # pointing at the user's line
+        assert all(str(w.message).startswith("indexing with dtype torch.uint8") for w in mine)
+        counts[device] = len(mine)
+    assert counts["tpu"] == counts["cpu"] == 4

@@ -21,6 +21,7 @@ For each op overload, once, a *handler* is chosen (`_choose`), in this order:
 from __future__ import annotations
 
 import functools
+import warnings
 
 import torch
 
@@ -32,6 +33,7 @@ from torchtpu.dispatch.fallback import run_on_cpu
 from torchtpu.dispatch.special import SPECIAL, run_on_host
 from torchtpu.dispatch.views import inplace_view_handler, view_handler
 from torchtpu.observe import metrics
+from torchtpu.observe.locations import user_stacklevel
 from torchtpu.ops import TABLE
 
 aten = torch.ops.aten
@@ -191,6 +193,13 @@ def _integer_indices(handler):
             expanded = []
             for i in indices:
                 if i is not None and i.dtype in _MASKS:
+                    if i.dtype == torch.uint8:  # as torch's index kernels warn, per mask
+                        warnings.warn(
+                            "indexing with dtype torch.uint8 is now deprecated, please use a "
+                            "dtype torch.bool instead.",
+                            UserWarning,
+                            stacklevel=user_stacklevel(),
+                        )
                     _check_mask_shape(self, i, len(expanded))
                     expanded.extend(aten.nonzero.default(i).unbind(1))
                 else:

@@ -80,9 +80,9 @@ def run_meta(op, info: SchemaInfo, margs: list):
         # dtype, an unsupported combination) is torch's answer for this input.
         if "'Meta' backend" in str(exc) or "no fake impl or Meta kernel" in str(exc):
             return None
-        raise name_op(_as_on_cpu(op, args, kwargs, exc), op) from None
+        raise name_op(as_on_cpu(op, args, kwargs, exc), op) from None
     except Exception as exc:
-        raise name_op(_as_on_cpu(op, args, kwargs, exc), op) from None
+        raise name_op(as_on_cpu(op, args, kwargs, exc), op) from None
 
 
 # Note [Dtype checks only the CPU kernels make]
@@ -133,7 +133,7 @@ def check_dtypes_as_cpu(op, info: SchemaInfo, margs: list) -> None:
     if len({t.dtype for t in leaves if isinstance(t, torch.Tensor)}) < 2:
         return
     args, kwargs = info.split(margs)
-    error = _as_on_cpu(op, args, kwargs, None, _DTYPE_REPLAY_ELEMENTS)
+    error = as_on_cpu(op, args, kwargs, None, _DTYPE_REPLAY_ELEMENTS)
     if error is not None:
         raise name_op(error, op) from None
 
@@ -145,7 +145,7 @@ _CPU_REPLAY_ELEMENTS = 1 << 20
 _DTYPE_REPLAY_ELEMENTS = 1 << 26
 
 
-def _as_on_cpu(
+def as_on_cpu(
     op, args, kwargs, meta_error: Exception | None, limit: int = _CPU_REPLAY_ELEMENTS
 ) -> Exception | None:
     """The exception the CPU kernel raises for this call (of at most ``limit``

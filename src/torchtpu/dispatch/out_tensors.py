@@ -18,7 +18,7 @@ import torch
 from torch._prims_common import is_non_overlapping_and_dense_or_false, make_contiguous_strides_for
 from torch.utils._pytree import tree_flatten, tree_map
 
-from torchtpu.observe.locations import name_op
+from torchtpu.observe.locations import name_op, user_stacklevel
 
 aten = torch.ops.aten
 
@@ -92,6 +92,12 @@ def check(info, values: list) -> None:
 def fit(info, out: torch.Tensor, result: torch.Tensor) -> None:
     """Before ``result`` is copied into ``out``: the exact-dtype check, and the resize
     to the result's size, of an op whose meta kernel could not give them beforehand."""
+    if _name(info) == "nonzero" and out.dtype != torch.int64:
+        # (torch's own wording, missing space included)
+        raise RuntimeError(
+            "nonzero: Expected out tensor to have scalar type Long but got scalar type"
+            f"{_scalar_type_name(out.dtype)}"
+        )
     if _name(info) in _OUT_DTYPE_EXACT and out.dtype != result.dtype:
         raise RuntimeError(
             f"{info.op}: Expected out tensor to have dtype {result.dtype}, but got "
@@ -99,6 +105,11 @@ def fit(info, out: torch.Tensor, result: torch.Tensor) -> None:
         )
     if out.shape != result.shape:
         _resize_out(out, result.shape)
+
+
+def _scalar_type_name(dtype: torch.dtype) -> str:
+    """c10's name of a dtype, as torch's messages print it (torch.float32: "Float")."""
+    return torch.empty(0, dtype=dtype).type().removeprefix("torch.").removesuffix("Tensor")
 
 
 def _resize_out(out: torch.Tensor, size) -> None:
@@ -112,7 +123,7 @@ def _resize_out(out: torch.Tensor, size) -> None:
             "outputs will not be resized unless they have zero elements. You can explicitly "
             "reuse an out tensor t by resizing it, inplace, to zero elements with t.resize_(0).",
             UserWarning,
-            stacklevel=2,
+            stacklevel=user_stacklevel(),
         )
     aten.resize_.default(out, tuple(size))
 

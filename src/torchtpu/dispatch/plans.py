@@ -16,6 +16,7 @@ import torch
 from torchtpu import config, dtypes, rng, tracing
 from torchtpu import matmul_precision as _precision
 from torchtpu.dispatch import checks, defer, modes
+from torchtpu.dispatch import meta as oracle
 from torchtpu.dispatch.builder import Plan, build, flatten_result
 from torchtpu.dispatch.modes import EagerMode
 from torchtpu.dispatch.pending import Pending
@@ -126,7 +127,7 @@ def lowered_handler(entry: Entry):
             else:
                 outputs, bases = _execute(plan, call, device, mode is _DEBUG)
         except Exception as exc:
-            raise add_context(exc, op, values) from None
+            raise add_context(_as_torch_error(exc, op, info, values), op, values) from None
         if bases:
             storages = call.storages
             for slot, base in zip(plan.written_slots, bases):
@@ -274,6 +275,19 @@ def _assemble(plan: Plan, values, outputs, device: int):
     if not results:
         return None
     return tuple(results)
+
+
+def _as_torch_error(exc: Exception, op, info: SchemaInfo, values) -> Exception:
+    """The CPU kernel's exception for a call whose lowering refused it at trace time.
+
+    JAX refuses what torch's CPU kernels refuse too (a complex ``floor``), with its own
+    TypeError or ValueError, where the meta kernel let the call through. Such a call
+    is replayed on small CPU zeros (meta.py) and raises what the CPU raises; a call the
+    CPU accepts keeps the lowering's error. Only on the error path, never per op."""
+    if type(exc) not in (TypeError, ValueError):
+        return exc
+    args, kwargs = oracle.on_meta(*info.split(list(values)))
+    return oracle.as_on_cpu(op, args, kwargs, exc)
 
 
 def _factory_device(info: SchemaInfo, values) -> int:

@@ -34,8 +34,27 @@ def _check_int_divisor(divisor):
 # -- arithmetic ---------------------------------------------------------------------------------
 
 
+def _check_alpha(self, alpha) -> None:
+    """torch's alpha_check of add, sub and rsub (made by the CPU kernels; the meta kernels
+    leave it out): ``alpha`` must be of a kind the computation dtype can hold."""
+    if _is_one(alpha):
+        return
+    dtype, kind = jnp.result_type(self), jnp.result_type(alpha)
+    if kind == jnp.bool_ and dtype != jnp.bool_:
+        raise RuntimeError("Boolean alpha only supported for Boolean results.")
+    if jnp.issubdtype(kind, jnp.inexact) and not jnp.issubdtype(dtype, jnp.inexact):
+        raise RuntimeError(
+            "For integral input tensors, argument alpha must not be a floating point number."
+        )
+    if jnp.issubdtype(kind, jnp.complexfloating) and not jnp.issubdtype(dtype, jnp.complexfloating):
+        raise RuntimeError(
+            "For non-complex input tensors, argument alpha must not be a complex number."
+        )
+
+
 @lowers(aten.add.Tensor, aten.add.Scalar, promote="default", promote_args=("self", "other"))
 def add(self, other, alpha=1):
+    _check_alpha(self, alpha)
     if _is_bool(self) and _is_bool(other):
         return jnp.logical_or(self, jnp.logical_and(other, alpha != 0))
     if _is_one(alpha):
@@ -50,6 +69,7 @@ def _is_one(alpha) -> bool:
 
 @lowers(aten.sub.Tensor, aten.sub.Scalar, promote="default", promote_args=("self", "other"))
 def sub(self, other, alpha=1):
+    _check_alpha(self, alpha)
     if _is_one(alpha):
         return self - other
     return self - other * cast(alpha, jnp.result_type(other))
@@ -57,6 +77,7 @@ def sub(self, other, alpha=1):
 
 @lowers(aten.rsub.Tensor, aten.rsub.Scalar, promote="default", promote_args=("self", "other"))
 def rsub(self, other, alpha=1):
+    _check_alpha(self, alpha)
     return other - self * cast(alpha, jnp.result_type(self))
 
 

@@ -316,7 +316,8 @@ def view_dtype(self, dtype):
     if x.dtype == jnp.bool_:
         x = x.astype(jnp.uint8)
     elif jnp.issubdtype(x.dtype, jnp.complexfloating):
-        x = jnp.stack([jnp.real(x), jnp.imag(x)], axis=-1).reshape(*x.shape[:-1], -1)
+        pairs = jnp.stack([jnp.real(x), jnp.imag(x)], axis=-1)
+        x = pairs.reshape(*x.shape[:-1], 2 * x.shape[-1])  # (no -1: x may have no elements)
     target = dtypes.to_jax(dtype)
     if target == jnp.bool_:
         return _bitcast(x, jnp.dtype(jnp.uint8)).astype(jnp.bool_)
