@@ -42,10 +42,15 @@ def user_frame() -> str:
 
 def location(filename: str, line: int, function: str) -> str:
     """``file:line in function``; a notebook cell as IPython names it (``Cell In[3], line 4``)."""
+    return f"{place(filename, line)} in {function}"
+
+
+def place(filename: str, line: int) -> str:
+    """``file:line``, or ``Cell In[3], line 4`` for code a notebook cell ran."""
     cell = _notebook_cell(filename)
     if cell is not None:
-        return f"Cell In[{cell}], line {line} in {function}"
-    return f"{filename}:{line} in {function}"
+        return f"Cell In[{cell}], line {line}"
+    return f"{filename}:{line}"
 
 
 def _notebook_cell(filename: str) -> int | None:
