@@ -167,6 +167,16 @@ try:
 except TypeError as exc:
     report(exc)
 """,
+    # In[11]: the profiler's trace names the op's line
+    """\
+import gzip, json, tempfile
+
+with torchtpu.profile(tempfile.mkdtemp()) as prof:
+    torch.ones(3, device="tpu").exp().cpu()
+with gzip.open(prof.trace_file) as f:
+    names = {e.get("name", "") for e in json.load(f)["traceEvents"]}
+print([n for n in names if n.startswith("aten.exp.default")])
+""",
 ]
 
 # (cell, text its output must contain)
@@ -184,6 +194,7 @@ _EXPECTED_LOCATIONS = [
     (9, "at Cell In[9], line 5 in <module> (backward of the op created there)"),
     (10, "jax_op matmul (defined at Cell In[10], line 3)"),
     (10, "called from Cell In[10], line 8 in <module>"),
+    (11, "aten.exp.default (Cell In[11], line 4 in <module>)"),
 ]
 
 
