@@ -27,7 +27,7 @@ run_all = _run_all()
 
 
 def test_there_are_notebooks():
-    assert len(run_all.notebooks()) >= 6
+    assert len(run_all.notebooks()) >= 7
 
 
 @pytest.mark.parametrize("path", run_all.notebooks(), ids=lambda p: p.stem)
