@@ -31,6 +31,10 @@ Note [Why JAX's profiler, not torch.profiler]
     runs. JAX's profiler records both, with the annotations torchtpu adds; the two can
     run together, each writing its own trace.
 
+Per-op events come from the thread that entered the block (and autograd's threads for
+its backward passes: torch's dispatch modes are per thread); chunks and device work are
+recorded whichever thread runs them.
+
 Costs: with no profile running, nothing (the op names are fixed when a program is
 first traced, and a flush calls one no-op hook). Inside the block, each op costs an
 annotation and a look at the stack for the user's line, so host time grows; device time
