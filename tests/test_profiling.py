@@ -99,3 +99,18 @@ def test_an_error_in_the_block_ends_the_trace(tmp_path):
     with torchtpu.profile(tmp_path / "b") as prof:  # a new trace may start
         torch.ones(2, device="tpu").neg().cpu()
     assert prof.trace_file and defer.annotate_run is defer._no_annotation
+
+
+def test_compiled_code_stays_compiled_inside_the_block(tmp_path):
+    cpu_model = _model()
+    model = torch.compile(_model().to("tpu"), backend="tpu")
+    x = torch.randn(3, 4)
+    model(x.to("tpu"))  # compiles
+    torchtpu.reset_metrics()
+    with torchtpu.profile(tmp_path) as prof:
+        out = model(x.to("tpu"))
+    assert_same(out.detach(), cpu_model(x).detach())
+    assert "compiles" not in torchtpu.metrics()
+    names = [e["name"] for e in _events(prof)]
+    assert not any(n.startswith("aten.addmm.default") for n in names)  # not run op by op
+    assert any(n.startswith("PjitFunction(") for n in names)

@@ -102,6 +102,12 @@ def _label(text: str) -> str:
 class _Annotate(TorchDispatchMode):
     """Each aten op on tpu tensors in a host annotation: the op and the user's line."""
 
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        # torch.compile'd code keeps running compiled inside the block (Dynamo runs a
+        # frame eagerly under any other dispatch mode): its program is one event.
+        return True
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if tracing._active is not None or not _on_tpu(args, kwargs):
