@@ -114,3 +114,14 @@ def test_compiled_code_stays_compiled_inside_the_block(tmp_path):
     names = [e["name"] for e in _events(prof)]
     assert not any(n.startswith("aten.addmm.default") for n in names)  # not run op by op
     assert any(n.startswith("PjitFunction(") for n in names)
+
+
+def test_a_flush_of_one_op_is_named_too(tmp_path):
+    x = torch.arange(3.0, device="tpu")
+    with torch.tpu.set_eager_mode("defer"), torchtpu.profile(tmp_path) as prof:
+        line = _line() + 1
+        value = x.exp().cpu()  # a queue of one op runs as that op's own program
+    assert torch.equal(value, torch.arange(3.0).exp())
+    names = [e["name"] for e in _events(prof)]
+    here = f"{__file__}:{line} in test_a_flush_of_one_op_is_named_too"
+    assert f"DeferAndFuse chunk: 1 ops (value read at {here})" in names

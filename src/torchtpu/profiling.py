@@ -56,7 +56,7 @@ from torchtpu import tracing
 from torchtpu.dispatch import defer, modes
 from torchtpu.dispatch.modes import EagerMode
 from torchtpu.dispatch.synchronize import sync
-from torchtpu.observe.locations import op_location
+from torchtpu.observe.locations import op_location, user_frame
 from torchtpu.runtime import jax
 from torchtpu.tensor import TPUTensor
 
@@ -124,8 +124,9 @@ class _Annotate(TorchDispatchMode):
         return result
 
 
-def _chunk_annotation(q, reason: str, where: str, compiled: bool):
+def _chunk_annotation(q, reason: str, where: str | None, compiled: bool):
     """The host event a DeferAndFuse chunk runs (and compiles) in."""
+    where = where or user_frame()  # a flush takes the line only where it needs it
     return jax().profiler.TraceAnnotation(
         _label(f"DeferAndFuse chunk: {len(q.plans)} ops ({reason} at {where})"),
         compiled="yes" if compiled else "no",

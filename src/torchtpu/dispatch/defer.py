@@ -209,9 +209,10 @@ def _no_annotation(q, reason: str, where: str, compiled: bool):
 
 _NOTHING = contextlib.nullcontext()
 
-# Called at each flush with (queue, reason, user line, whether the chunk compiles): the
-# context manager its run happens in. torchtpu.profile() (profiling.py) sets it to name
-# the chunk in the trace; otherwise it costs a call per flush.
+# Called at each flush with (queue, reason, user line or None where it was not taken,
+# whether the chunk compiles): the context manager its run happens in. torchtpu.profile()
+# (profiling.py) sets it to name the chunk in the trace; otherwise it costs a call per
+# flush.
 annotate_run = _no_annotation
 
 
@@ -429,10 +430,14 @@ def _run_one(q: _Queue, reason: str, where: str | None) -> None:
         if q.device:
             from torchtpu.runtime import device as jax_device
 
-            with jax().default_device(jax_device(q.device)):
+            with (
+                jax().default_device(jax_device(q.device)),
+                annotate_run(q, reason, where, compiled),
+            ):
                 flat = plan.call(*args)
         else:
-            flat = plan.call(*args)
+            with annotate_run(q, reason, where, compiled):
+                flat = plan.call(*args)
         if compiled:
             plan.compiled = True
             metrics.count("compiles", "op")
