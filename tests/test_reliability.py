@@ -345,6 +345,113 @@ def test_load_to_missing_device_is_a_clear_error():
         torch.load(buffer, map_location="tpu:7")
 
 
+@pytest.mark.parametrize("name", ["str_tpu", "device_tpu", "cpu_to_tpu", "str_cpu"])
+@pytest.mark.parametrize("saved_on", ["cpu", "tpu"])
+def test_load_from_a_file_with_map_location(tmp_path, saved_on, name):
+    data, expected = _checkpoint_bytes(saved_on)
+    path = tmp_path / "checkpoint.pt"
+    path.write_bytes(data)
+    map_location, where = _MAP_LOCATIONS[name]
+    where = where[saved_on] if isinstance(where, dict) else where
+    loaded = torch.load(path, map_location=map_location)
+    for key, value in loaded.items():
+        assert value.device.type == where, key
+        assert torch.equal(value.detach().cpu(), expected[key])
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.bfloat16])
+def test_a_dtype_view_saves_its_own_bits(dtype):
+    cpu = torch.tensor([1.0, -2.5, 3.0, float("inf")])
+    on_tpu = cpu.to("tpu")
+    loaded = torch.load(_saved(on_tpu.view(dtype)[1:]))
+    assert loaded.device.type == "tpu" and loaded.dtype == dtype
+    assert torch.equal(loaded.cpu(), torch.load(_saved(cpu.view(dtype)[1:])))
+    # Two views of one storage as different types: torch refuses, as for CPU tensors.
+    with pytest.raises(RuntimeError, match="view the same data as different types"):
+        torch.save([cpu, cpu.view(dtype)], io.BytesIO())
+    with pytest.raises(RuntimeError, match="view the same data as different types"):
+        torch.save([on_tpu, on_tpu.view(dtype)], io.BytesIO())
+
+
+def _saved(obj) -> io.BytesIO:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    buffer.seek(0)
+    return buffer
+
+
+def test_files_in_the_earlier_format_still_load():
+    """Before tpu tensors were saved as torch saves CPU tensors, they were saved as a
+    call of torchtpu.serialization.rebuild_tpu_tensor."""
+    from torchtpu.serialization import rebuild_tpu_tensor
+
+    class Earlier:
+        def __reduce__(self):
+            return (rebuild_tpu_tensor, (torch.arange(4.0), torch.float32, "tpu:0", False))
+
+    data = _saved({"x": Earlier()}).getvalue()
+    assert torch.load(io.BytesIO(data))["x"].device.type == "tpu"
+    on_cpu = torch.load(io.BytesIO(data), map_location="cpu")["x"]
+    assert type(on_cpu) is torch.Tensor and torch.equal(on_cpu, torch.arange(4.0))
+
+
+# What "a process that never imports torchtpu" can be: one whose code imports only
+# torch, with torch's device-backend autoload on (it loads torchtpu, not JAX) or off
+# (torchtpu is never imported at all; also what a machine without torchtpu sees).
+_LOAD_ON_CPU = textwrap.dedent(
+    """
+    import json, sys
+    import torch
+
+    loaded = torch.load(sys.argv[1], map_location="cpu", weights_only=sys.argv[2] == "1")
+    print(json.dumps({
+        "types": {k: type(v).__name__ for k, v in loaded.items()},
+        "devices": sorted({str(v.device) for v in loaded.values()}),
+        "values": {k: v.tolist() for k, v in loaded.items()},
+        "view_shares": loaded["view"].untyped_storage().data_ptr()
+            == loaded["base"].untyped_storage().data_ptr(),
+        "requires_grad": loaded["param"].requires_grad,
+        "torchtpu_loaded": "torchtpu" in sys.modules,
+        "jax_loaded": "jax" in sys.modules,
+    }))
+    """
+)
+
+
+@pytest.mark.parametrize("weights_only", [True, False])
+@pytest.mark.parametrize("autoload", ["0", "1"])
+def test_a_tpu_checkpoint_loads_on_the_cpu_without_importing_torchtpu(
+    tmp_path, autoload, weights_only
+):
+    torch.manual_seed(0)
+    base = torch.randn(2, 3)
+    saved = {
+        "param": torch.nn.Parameter(torch.randn(3).to("tpu")),
+        "base": base.to("tpu"),
+        "int": torch.arange(5, device="tpu"),
+    }
+    saved["view"] = saved["base"].t()[1:]
+    path = tmp_path / "checkpoint.pt"
+    torch.save(saved, path)
+    script = _LOAD_ON_CPU.replace("sys.argv[1]", repr(str(path))).replace(
+        "sys.argv[2]", repr("1" if weights_only else "0")
+    )
+    got = _run(script, TORCH_DEVICE_BACKEND_AUTOLOAD=autoload)
+    assert got["torchtpu_loaded"] == (autoload == "1")
+    assert not got["jax_loaded"]
+    assert got["devices"] == ["cpu"]
+    assert got["types"] == {
+        "param": "Parameter",
+        "base": "Tensor",
+        "int": "Tensor",
+        "view": "Tensor",
+    }
+    assert got["requires_grad"] and got["view_shares"]
+    expected = {k: v.detach().cpu().tolist() for k, v in saved.items()}
+    assert got["values"] == expected
+    assert expected["view"] == base.t()[1:].tolist()
+
+
 # -- 4. several devices ----------------------------------------------------------------------
 
 _TWO_DEVICES = textwrap.dedent(

@@ -64,6 +64,8 @@ __all__ = [
     "detect_nonfinite",
     "TPUNonFiniteError",
     "TPUNonFiniteWarning",
+    "profile",
+    "Profile",
 ]
 
 device.register()
@@ -170,11 +172,30 @@ def detect_nonfinite(action: str = "raise"):
     return detect(action)
 
 
+def profile(log_dir, *, perfetto: bool = True, python: bool = False):
+    """Context manager: record a trace of the block into ``log_dir`` for TensorBoard and
+    Perfetto, each aten op named with your line, each DeferAndFuse chunk with its size
+    and cause (JAX's profiler; see torchtpu/profiling.py). Yields a `Profile` whose
+    ``files`` are known when the block ends. Example::
+
+        with torchtpu.profile("runs/profile") as prof:
+            train_step(batch)
+        print(prof.trace_file)
+    """
+    from torchtpu.profiling import profile as record
+
+    return record(log_dir, perfetto=perfetto, python=python)
+
+
 def __getattr__(name: str):
     if name in ("TPUDivergenceError", "TPUDivergenceWarning"):
         from torchtpu import divergence
 
         return getattr(divergence, name)
+    if name == "Profile":
+        from torchtpu.profiling import Profile
+
+        return Profile
     if name in ("TPUNonFiniteError", "TPUNonFiniteWarning"):
         from torchtpu import nonfinite
 

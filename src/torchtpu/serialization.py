@@ -5,10 +5,8 @@ storage on the tpu device either: ``torch.UntypedStorage(n, device="tpu")`` has 
 allocator to call. torch's loader, though, restores every saved *storage* first
 (``map_location`` names where) and only then builds tensors on them. So:
 
-- Saving: a tpu tensor pickles as its values on the CPU and a call of
-  `rebuild_tpu_tensor` (``TPUTensor.__reduce_ex__``). That function applies
-  ``map_location`` itself, including a callable one, which torch's own
-  ``_rebuild_device_tensor_from_cpu_tensor`` refuses.
+- Saving: a tpu tensor pickles as torch pickles a CPU tensor, on a host image of its
+  storage whose saved location is the tpu device (Note [Saving tpu tensors]).
 - Loading a CPU storage to tpu (``map_location="tpu"``, ``torch.device("tpu")``,
   ``{"cpu": "tpu"}``, a callable returning None for a tpu location): the storage
   deserializer registered here keeps the storage on the CPU and marks it with the
@@ -21,10 +19,25 @@ allocator to call. torch's loader, though, restores every saved *storage* first
   and its view.
 
 Nothing here imports JAX.
+
+Note [Saving tpu tensors]
+    torch.save writes a tensor as its storage (saved once, with a *location* tag)
+    and its offset, size and strides; torch.load restores each storage where
+    ``map_location`` maps its location, then rebuilds the tensors on them. A tpu
+    tensor is saved that way too: `reduce_tpu_tensor` gives torch's own
+    ``_rebuild_tensor_v2`` call on the CPU image of its storage, and the tag of that
+    image (`_tag`) is the tpu device. So the file holds nothing but torch's own
+    globals and a storage at ``"tpu:0"``: a process without torchtpu (autoload
+    off, or not installed) loads it with ``map_location="cpu"``, even with
+    ``weights_only=True``, into plain CPU tensors; with torchtpu the storage goes to
+    tpu as a CPU checkpoint's does with ``map_location="tpu"`` (below), whatever
+    ``map_location`` says, a callable included. Files saved by earlier versions call
+    `rebuild_tpu_tensor`, which is kept for them.
 """
 
 from __future__ import annotations
 
+import collections
 import re
 
 import torch
@@ -35,8 +48,31 @@ _TARGET = "_torchtpu_load_to"
 _TPU_LOCATION = re.compile(r"tpu(:[0-9]+)?")
 
 
+# Attribute of the CPU image of a tpu storage being saved: the tpu device it is saved from.
+_SAVED_FROM = "_torchtpu_saved_from"
+
+
+def reduce_tpu_tensor(values: torch.Tensor, device: str, requires_grad: bool) -> tuple:
+    """How a tpu tensor pickles (Note [Saving tpu tensors]): ``values``, a CPU view of
+    the host image of its storage, as torch pickles a CPU tensor, the image's storage
+    saved with the location ``device``."""
+    setattr(values.untyped_storage(), _SAVED_FROM, device)
+    return (
+        torch._utils._rebuild_tensor_v2,
+        (
+            values._typed_storage(),
+            values.storage_offset(),
+            tuple(values.size()),
+            values.stride(),
+            requires_grad,
+            collections.OrderedDict(),
+        ),
+    )
+
+
 def rebuild_tpu_tensor(data: torch.Tensor, dtype, location: str, requires_grad: bool):
-    """Unpickle a tensor saved from ``location`` (a tpu device) with values ``data``."""
+    """Unpickle a tensor saved from ``location`` (a tpu device) with values ``data`` (the
+    format of files saved before Note [Saving tpu tensors])."""
     map_location = torch.serialization._serialization_tls.map_location
     if map_location is None:
         target = location
@@ -100,9 +136,9 @@ def to_tpu_sharing(data: torch.Tensor, target) -> torch.Tensor:
     return whole.as_strided(data.shape, data.stride(), data.storage_offset()).detach()
 
 
-def _tag(storage) -> None:
-    # Tensors are never saved with a tpu storage (see the module docstring).
-    return None
+def _tag(storage) -> str | None:
+    """The location saved for ``storage``: a tpu device for the image of a tpu storage."""
+    return getattr(storage, _SAVED_FROM, None)
 
 
 def _deserialize(storage, location: str):
@@ -140,9 +176,10 @@ def register() -> None:
     global _torch_rebuild_tensor
     if _torch_rebuild_tensor is not None:
         return
-    # Before torch's PrivateUse1 deserializer (priority 23), which would ask for a
-    # storage on the tpu device.
-    torch.serialization.register_package(19, _tag, _deserialize)
+    # Before torch's CPU tagger (priority 10), which would tag the image of a tpu
+    # storage "cpu", and its PrivateUse1 deserializer (23), which would ask for a
+    # storage on the tpu device. Both return None for any other storage.
+    torch.serialization.register_package(9, _tag, _deserialize)
     torch.serialization.add_safe_globals([rebuild_tpu_tensor])
     _torch_rebuild_tensor = torch._utils._rebuild_tensor
     torch._utils._rebuild_tensor = _rebuild_tensor

@@ -239,15 +239,12 @@ class TPUTensor(torch.Tensor):
         return new
 
     def __reduce_ex__(self, protocol):
-        # Save the values as a CPU tensor on an image of the whole storage (Note [Saving
-        # views]). (Rebuilt by torchtpu's function rather than torch's
-        # _rebuild_device_tensor_from_cpu_tensor, which refuses a callable map_location.)
-        from torchtpu.serialization import rebuild_tpu_tensor
+        # Saved as torch saves a CPU tensor, on an image of the whole storage (Note
+        # [Saving views]) whose location is this device: plain torch loads it with
+        # map_location="cpu" (Note [Saving tpu tensors] in serialization.py).
+        from torchtpu.serialization import reduce_tpu_tensor
 
-        rebuilt = (
-            rebuild_tpu_tensor,
-            (_saved_values(self), self.dtype, str(self.device), self.requires_grad),
-        )
+        rebuilt = reduce_tpu_tensor(_saved_values(self), str(self.device), self.requires_grad)
         if getattr(self, "_is_param", False):
             return (torch._utils._rebuild_parameter, (_Reduced(rebuilt), self.requires_grad, {}))
         return rebuilt
@@ -271,7 +268,8 @@ def to_dlpack(tensor: torch.Tensor):
 #     torch.load rebuilds them as views of one storage. A tpu tensor pickles as a CPU
 #     tensor on a host *image* of its whole storage, made once per storage and write
 #     (held weakly: only while the save runs), so its views share that image in the
-#     file; serialization.py maps the loaded image back to one tpu storage.
+#     file; serialization.py maps the loaded image back to one tpu storage (Note
+#     [Saving tpu tensors] there).
 _host_images: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
@@ -294,8 +292,11 @@ def _saved_values(t: TPUTensor) -> torch.Tensor:
             extent = math.prod(storage.shape)
             base = TPUTensor(storage, (), storage.shape, storage.strides, 0, storage.dtype)
             image = base.detach().as_strided((extent,), (1,), 0).cpu()
+        # The image's storage, not the tensor: torch.save holds the storages it wrote
+        # until it ends, not the tensors on them.
+        image = image.untyped_storage()
         _host_images[storage] = (storage.version, weakref.ref(image))
-    return image.as_strided(t.shape, t.stride(), t.storage_offset())
+    return torch.empty(0, dtype=t.dtype).set_(image, t.storage_offset(), t.shape, t.stride())
 
 
 def backward_on_calling_thread() -> None:

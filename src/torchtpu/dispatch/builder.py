@@ -17,6 +17,17 @@ Note [Plan outputs]
     compiled function returns the new tensors, then the new base arrays of the written
     storages, then the flags of value checks (dispatch/checks.py).
 
+Note [Profiles name aten ops]
+    A plan's function is named after its op and traced inside ``jax.named_scope(op)``.
+    Both are fixed when the function is first traced and cost nothing per call; a
+    profile (``torchtpu.profile``, profiling.py) then names the device work of every op,
+    in per-op programs and fused chunks alike, with no program compiled for it. The
+    user's line cannot be part of a cached program (one program serves every line that
+    makes the call): profiling.py puts it in host annotations instead. A DeferAndFuse
+    chunk adds each op's position (``jit(chunk)/op3/aten.mm.default/dot_general``).
+    Scopes are debug locations, which JAX's persistent-cache key leaves out; the
+    program's name is in it, and is the same in every process.
+
 Note [Lowering results in Debug mode]
     A lowering's result is cast to the dtype and broadcast to the shape the meta
     oracle gives (the promotion policy relies on the cast). A result of another shape,
@@ -249,11 +260,11 @@ def build(op, lowering, info_: SchemaInfo, rules, values: list, call: Call) -> P
 
     if any(o is UNKNOWN for o in outputs):
         _fill_from_eval_shape(fn, plan, call, outputs)
-    plan.fn = fn
+    plan.fn = _named(fn, str(op))
     plan.uid = next(_UIDS)
     plan.traced = False
     plan.reads_arrays = n_arrays > 0
-    plan.call = jax().jit(fn)
+    plan.call = jax().jit(plan.fn)
     # What running or recording it needs, computed once.
     plan.fresh = [None if o is None else (o, o.meta) for o in outputs]
     plan.avals = [
@@ -262,6 +273,20 @@ def build(op, lowering, info_: SchemaInfo, rules, values: list, call: Call) -> P
     plan.avals += [(call.storages[s].shape, dtypes.to_jax(call.storages[s].dtype)) for s in written]
     plan.single = returns[0][1] if len(returns) == 1 and returns[0][0] == "tensor" else None
     return plan
+
+
+def _named(fn, name: str):
+    """``fn`` traced in the named scope ``name`` (the aten op) and under that name, so the
+    XLA program is ``jit_<op>`` and its instructions carry ``<op>`` in their metadata,
+    inside a DeferAndFuse chunk and a compiled step too (Note [Profiles name aten ops])."""
+    scope = jax().named_scope
+
+    def named(*flat):
+        with scope(name):
+            return fn(*flat)
+
+    named.__name__ = named.__qualname__ = name
+    return named
 
 
 def _promotion(lowering, names, margs):

@@ -23,6 +23,7 @@ Note [Live outputs]
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import sys
 import threading
@@ -167,13 +168,15 @@ class _Chunk:
 
         def chunk(*externals):
             metrics.count("compiles", "chunk")
+            scope = jax().named_scope
             results = []
             flags = []
             owners = []
             for position, (plan, refs) in enumerate(nodes_spec):
                 args = [externals[a] if kind == 0 else results[a][b] for kind, a, b in refs]
                 try:
-                    out = plan.fn(*args)
+                    with scope(f"op{position}"):  # Note [Profiles name aten ops]
+                        out = plan.fn(*args)
                 except Exception as exc:
                     raise _NodeError(position, exc) from exc
                 results.append(out)
@@ -198,6 +201,19 @@ _CHUNKS = metrics.LRUCache("chunk_cache", lambda: config.chunk_cache_size)
 # Called after each chunk has run and its values are handed out (the NaN finder,
 # nonfinite.py, reads its flags there: one host read per flush). Empty almost always.
 after_run: list = []
+
+
+def _no_annotation(q, reason: str, where: str, compiled: bool):
+    return _NOTHING
+
+
+_NOTHING = contextlib.nullcontext()
+
+# Called at each flush with (queue, reason, user line or None where it was not taken,
+# whether the chunk compiles): the context manager its run happens in. torchtpu.profile()
+# (profiling.py) sets it to name the chunk in the trace; otherwise it costs a call per
+# flush.
+annotate_run = _no_annotation
 
 
 def flush(reason: str) -> None:
@@ -357,10 +373,14 @@ def _run(q: _Queue, reason: str, needed=()) -> dict:
         if q.device:
             from torchtpu.runtime import device as jax_device
 
-            with jax().default_device(jax_device(q.device)):
+            with (
+                jax().default_device(jax_device(q.device)),
+                annotate_run(q, reason, where, compiled),
+            ):
                 values, flags = chunk.call(*q.externals)
         else:
-            values, flags = chunk.call(*q.externals)
+            with annotate_run(q, reason, where, compiled):
+                values, flags = chunk.call(*q.externals)
         if not chunk.compiled:
             chunk.compiled = True
             seconds = time.perf_counter() - start
@@ -410,10 +430,14 @@ def _run_one(q: _Queue, reason: str, where: str | None) -> None:
         if q.device:
             from torchtpu.runtime import device as jax_device
 
-            with jax().default_device(jax_device(q.device)):
+            with (
+                jax().default_device(jax_device(q.device)),
+                annotate_run(q, reason, where, compiled),
+            ):
                 flat = plan.call(*args)
         else:
-            flat = plan.call(*args)
+            with annotate_run(q, reason, where, compiled):
+                flat = plan.call(*args)
         if compiled:
             plan.compiled = True
             metrics.count("compiles", "op")

@@ -47,8 +47,9 @@ def run_on_cpu(func, args, kwargs):
     if func not in _warned:
         _warned.add(func)
         warnings.warn(
-            f"torchtpu: {func} has no tpu lowering; it runs on the CPU, copying its inputs "
-            "to the host and back (slow). See torchtpu.metrics()['fallback'].",
+            f"torchtpu: {func} (called from {user_frame()}) has no tpu lowering; it runs "
+            "on the CPU, copying its inputs to the host and back (slow). See "
+            "torchtpu.metrics()['fallback'].",
             TPUFallbackWarning,
             stacklevel=user_stacklevel(),
         )

@@ -67,7 +67,7 @@ import torch
 
 from torchtpu import dtypes
 from torchtpu.dispatch.signature import hashable, plain
-from torchtpu.observe.locations import user_frame
+from torchtpu.observe.locations import place, user_frame
 from torchtpu.ops.registry import lowers
 from torchtpu.runtime import jax
 
@@ -176,7 +176,7 @@ class JaxFunction:
             raise TypeError(f"jax_op: traced= names {sorted(unknown)}, not arguments of {fn!r}")
         self.qualname = getattr(fn, "__qualname__", repr(fn))
         code = getattr(fn, "__code__", None)
-        self.defined_at = f"{code.co_filename}:{code.co_firstlineno}" if code else "<unknown>"
+        self.defined_at = place(code.co_filename, code.co_firstlineno) if code else "<unknown>"
         self.specs: list[_Spec] = []
         self._spec_ids: dict[_Spec, str] = {}
         self._lock = threading.Lock()

@@ -4,20 +4,26 @@ from __future__ import annotations
 
 import os
 import sys
+import sysconfig
 
 import torch
 
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # torchtpu/
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
 _LIBRARY_DIRS = (_PACKAGE_DIR + os.sep, _TORCH_DIR + os.sep)
+# Python's standard library (contextlib's __exit__ runs the end of a `with` block), but
+# not packages installed inside it (site-packages of an interpreter without a venv).
+_STDLIB_DIR = os.path.abspath(sysconfig.get_paths()["stdlib"]) + os.sep
 
 
-# filename -> whether it belongs to torch, torchtpu or JAX. Asked for every frame of a
+# filename -> whether it belongs to torch, torchtpu, JAX or the standard library. Asked for every frame of a
 # stack walk (a DeferAndFuse flush walks one), so each file is judged once.
 _LIBRARY_FILES: dict[str, bool] = {}
 
 
 def _is_library(filename: str) -> bool:
+    """Whether ``filename`` is torch's, torchtpu's, JAX's or Python's own: never the
+    user's line."""
     known = _LIBRARY_FILES.get(filename)
     if known is None:
         path = filename if filename.startswith("<") else os.path.abspath(filename)
@@ -25,12 +31,14 @@ def _is_library(filename: str) -> bool:
             path.startswith(_LIBRARY_DIRS)
             or "/site-packages/jax" in path
             or path.startswith("<frozen")
+            or (path.startswith(_STDLIB_DIR) and "-packages" + os.sep not in path)
         )
     return known
 
 
 def user_frame() -> str:
-    """``file:line in function`` of the innermost caller outside torch, torchtpu and JAX."""
+    """``file:line in function`` of the innermost caller outside torch, torchtpu, JAX and
+    the standard library."""
     frame = sys._getframe(1)
     while frame is not None:
         code = frame.f_code
@@ -42,10 +50,15 @@ def user_frame() -> str:
 
 def location(filename: str, line: int, function: str) -> str:
     """``file:line in function``; a notebook cell as IPython names it (``Cell In[3], line 4``)."""
+    return f"{place(filename, line)} in {function}"
+
+
+def place(filename: str, line: int) -> str:
+    """``file:line``, or ``Cell In[3], line 4`` for code a notebook cell ran."""
     cell = _notebook_cell(filename)
     if cell is not None:
-        return f"Cell In[{cell}], line {line} in {function}"
-    return f"{filename}:{line} in {function}"
+        return f"Cell In[{cell}], line {line}"
+    return f"{filename}:{line}"
 
 
 def _notebook_cell(filename: str) -> int | None:
