@@ -182,3 +182,30 @@ def test_a_donated_parameter_buffer_holds_its_updated_value_not_its_gradient():
     hlo = chunk.call.lower(*taken["externals"]).compile().as_text()
     copies = [line for line in hlo.splitlines() if " copy(" in line and "f32[40,48]" in line]
     assert not copies, copies
+
+
+def test_numbers_are_inputs_kept_as_arrays_per_value():
+    """Note [Numbers as arrays]: a Python number reaches the compiled function as a 0-d
+    array made once per value, with the dtype and weak type JAX gives the number, so
+    new values compile nothing and the results are the CPU's (signed zeros and NaN
+    included)."""
+    from torchtpu.dispatch import scalars
+
+    x = torch.tensor([1.0, -2.0, 0.5], device="tpu")
+    x.cpu()
+    for mode in ("strict", "defer"):
+        with torch.tpu.set_eager_mode(mode):
+            (1 / (x * 3.0), 1 / (x * 3))  # a float and an int: two signatures
+            torchtpu.sync()
+            torchtpu.reset_metrics()
+            for value in (0.25, -0.0, 0.0, float("nan"), float("inf"), 7):
+                assert_same(1 / (x * value), 1 / (x.cpu() * value))
+            compiles = torchtpu.metrics().get("compiles", {})
+            # (DeferAndFuse: the two-op chunks of a float and of an int, once each)
+            assert compiles.get("op", 0) == 0 and compiles.get("chunk", 0) <= 2
+            half = torch.tensor([1.5], dtype=torch.float16, device="tpu")
+            assert_same(half * 0.1, torch.tensor([1.5], dtype=torch.float16) * 0.1)
+            assert_same(torch.tensor([3], device="tpu") * 2**40, torch.tensor([3]) * 2**40)
+    assert scalars.as_array(-0.0) is not scalars.as_array(0.0)
+    assert scalars.as_array(0.5) is scalars.as_array(0.5)
+    assert scalars.as_array(True) is not scalars.as_array(1)

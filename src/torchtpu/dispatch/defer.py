@@ -37,6 +37,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from torchtpu import config, tracing
 from torchtpu.dispatch import checks
 from torchtpu.dispatch.pending import Pending
+from torchtpu.dispatch.scalars import as_array
 from torchtpu.observe import metrics, perf_warnings
 from torchtpu.observe.locations import user_frame
 from torchtpu.runtime import jax
@@ -368,6 +369,7 @@ def _run(q: _Queue, reason: str, needed=()) -> dict:
             compiled=compiled, failed=failed,
         )  # fmt: skip
 
+    inputs = [as_array(x) for x in q.externals]  # Note [Numbers as arrays]
     try:
         start = time.perf_counter()
         if q.device:
@@ -377,10 +379,10 @@ def _run(q: _Queue, reason: str, needed=()) -> dict:
                 jax().default_device(jax_device(q.device)),
                 annotate_run(q, reason, where, compiled),
             ):
-                values, flags = chunk.call(*q.externals)
+                values, flags = chunk.call(*inputs)
         else:
             with annotate_run(q, reason, where, compiled):
-                values, flags = chunk.call(*q.externals)
+                values, flags = chunk.call(*inputs)
         if not chunk.compiled:
             chunk.compiled = True
             seconds = time.perf_counter() - start
@@ -418,7 +420,8 @@ def _run_one(q: _Queue, reason: str, where: str | None) -> None:
         both modes. Nothing is donated (Strict donates nothing either)."""
     plan, refs = q.plans[0], q.refs[0]
     externals = q.externals
-    args = [externals[a] for _, a, _ in refs]  # a one-op queue refers to no other op
+    # (a one-op queue refers to no other op; numbers: Note [Numbers as arrays])
+    args = [as_array(externals[a]) for _, a, _ in refs]
     pendings = [ref() for ref in q.outputs[0]]
     compiled = not plan.compiled
     metrics.event(

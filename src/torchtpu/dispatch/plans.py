@@ -20,6 +20,7 @@ from torchtpu.dispatch import meta as oracle
 from torchtpu.dispatch.builder import Plan, build, flatten_result
 from torchtpu.dispatch.modes import EagerMode
 from torchtpu.dispatch.pending import Pending
+from torchtpu.dispatch.scalars import as_arrays
 from torchtpu.dispatch.schema import SchemaInfo
 from torchtpu.dispatch.signature import Rules, describe_change, rules, scan
 from torchtpu.dispatch.values import (
@@ -110,7 +111,10 @@ def lowered_handler(entry: Entry):
                 if mode is _DEFER:
                     value = record(plan, call.arrays + call.scalars, plan.avals, None, 0)[0]
                 elif mode is _STRICT and plan.compiled and tracing._active is None:
-                    value = plan.call(*call.arrays, *call.scalars)[single]
+                    scalars = call.scalars
+                    value = plan.call(*call.arrays, *(as_arrays(scalars) if scalars else ()))[
+                        single
+                    ]
                 else:
                     value = None
             except Exception as exc:
@@ -164,7 +168,9 @@ def _miss(entry: Entry, values, key, mode) -> Plan:
 
 def _execute(plan: Plan, call, device: int, debug: bool):
     """Strict and Debug: call the plan's jitted function now (asynchronously)."""
-    args = call.arrays + call.scalars
+    # Note [Numbers as arrays]; in a trace they are the program's constants
+    scalars = call.scalars if tracing._active is not None else as_arrays(call.scalars)
+    args = call.arrays + scalars
     if plan.random:
         args.extend(rng.take(device))
     if tracing._active is not None:
