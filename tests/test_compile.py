@@ -385,3 +385,50 @@ def test_several_tensor_arguments_and_attributes():
     assert compiled(x=b, y=a).cpu().tolist() == [[3, 4, 5, 6]]
     a.add_(1)  # a new value of an argument: the next call reads it
     assert compiled(a, b).cpu().tolist() == [[2, 5, 8, 11]]
+
+
+def _compiled_without_breaks(fn, *args):
+    """fn compiled with the tpu backend, run once: its result; asserts one graph."""
+    explanation = torch._dynamo.explain(fn)(*args)
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+    torch._dynamo.reset()
+    return torch.compile(fn, backend="tpu")(*args)
+
+
+@pytest.mark.parametrize("data", [[], 1.5, [[1.0, -2.0, 3.0]]])
+def test_tensor_made_from_data_inside_a_compiled_region(data):
+    """``torch.tensor(data, device=x.device)`` inside the region (Transformers'
+    DynamicCache starts each layer's cache as ``torch.tensor([], device=...)``): torch
+    makes it with Python dispatch off, so it used to reach the fake mode as a real tpu
+    tensor, which broke the graph (or failed with "Cannot copy out of tpu tensor")."""
+
+    def f(x):
+        t = torch.tensor(data, dtype=x.dtype, device=x.device)
+        return torch.cat([t.reshape(-1), (x * 2).reshape(-1)]) + t.sum()
+
+    x = torch.randn(2, 3)
+    torch.testing.assert_close(_compiled_without_breaks(f, x.to("tpu")).cpu(), f(x))
+
+
+def test_empty_tensor_argument_to_a_compiled_region():
+    """Fakifying an empty tensor resizes its storage to 0 bytes, which a tpu storage
+    cannot do (no C++ PrivateUse1 hooks): traced wrappers of empty tensors report a
+    meta storage."""
+
+    def f(x, y):
+        return torch.cat([x, y * 2])
+
+    x, y = torch.randn(0, 3), torch.randn(2, 3)
+    result = _compiled_without_breaks(f, x.to("tpu"), y.to("tpu"))
+    torch.testing.assert_close(result.cpu(), f(x, y))
+
+
+def test_functional_copy_from_a_cpu_tensor():
+    """``aten.copy`` (AOTAutograd's functional ``copy_``) takes a source on another
+    device, as ``copy_`` does."""
+    dst, src = torch.zeros(2, 3), torch.randn(2, 3, dtype=torch.float64)
+    expected = aten.copy.default(dst, src)
+    torch.testing.assert_close(aten.copy.default(dst.to("tpu"), src).cpu(), expected)
+    back = aten.copy.default(dst, src.to("tpu"))
+    assert back.device.type == "cpu"
+    torch.testing.assert_close(back, expected)

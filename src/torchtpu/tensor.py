@@ -198,6 +198,15 @@ class TPUTensor(torch.Tensor):
         return super().data_ptr()
 
     def untyped_storage(self) -> torch.UntypedStorage:
+        if self._inner is not None:  # a traced wrapper (torch.compile) has no Storage
+            storage = super().untyped_storage()
+            if storage.nbytes() == 0:
+                # Fakifying an empty tensor resizes its storage to 0 bytes, which a tpu
+                # storage cannot do (that needs C++ PrivateUse1 hooks); a meta one can.
+                storage = self.__dict__.setdefault(
+                    "_empty_storage", torch.UntypedStorage(0, device="meta")
+                )
+            return storage
         self._take_storage_address()
         return super().untyped_storage()
 

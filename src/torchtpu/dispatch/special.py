@@ -53,6 +53,27 @@ def _same_storage(func, args, kwargs):
     return TPUTensor(x._storage, x._chain, *x._meta[:4])
 
 
+def _lift_fresh(func, args, kwargs):
+    """``torch.tensor(data, device="tpu")`` ends in ``lift_fresh`` of the tensor it made.
+
+    While torch.compile traces (a fake mode is active), torch makes that tensor with
+    Python dispatch off, so it is a real TPUTensor, which the fake mode refuses as an
+    unknown subclass. It is lifted as a CPU tensor instead, its values a constant of
+    the graph, and copied into a new tpu tensor: the region gets a traced tensor. (Not
+    ``.to("tpu")``: the fake mode would run that copy for real, to keep a constant.)
+    """
+    fake_mode = torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE)
+    if fake_mode is None:
+        return _same_storage(func, args, kwargs)
+    x = args[0]
+    with torch.utils._python_dispatch._disable_current_modes():
+        values = to_host(materialize(x))
+    # Under the fake (and, in AOTAutograd, proxy) mode: these are traced.
+    inner = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device)
+    inner.copy_(func(values))
+    return tensor_module.hooks.unflatten(inner, x.shape, x.stride())
+
+
 # -- data movement and reading values ------------------------------------------------------
 
 
@@ -109,6 +130,24 @@ def _copy_(func, args, kwargs):
         dst._storage.set(src._storage.array)
         return dst
     return _lowered(func, aten.copy.default)(func, (dst, src) + tuple(args[2:]), kwargs)
+
+
+def _copy(func, args, kwargs):
+    """``copy``, the functional ``copy_`` (AOTAutograd's graphs hold it for ``copy_``):
+    as for ``copy_``, the source may be on another device."""
+    dst, src = args[0], args[1]
+    if not isinstance(dst, TPUTensor):  # a CPU result from tpu values
+        return func(dst, to_host(materialize(src)), *args[2:], **kwargs)
+    if not isinstance(src, TPUTensor):
+        src = from_cpu(src, dst._storage.device_index)
+    elif src._storage.device_index != dst._storage.device_index:
+        src = move(src, dst._storage.device_index)
+    return _copy_lowered()(func, (dst, src) + tuple(args[2:]), kwargs)
+
+
+@functools.cache
+def _copy_lowered():
+    return _lowered(aten.copy.default, aten.copy.default)
 
 
 def _local_scalar_dense(func, args, kwargs):
@@ -270,10 +309,11 @@ SPECIAL = {
     aten.native_batch_norm.default: _native_batch_norm,
     aten._to_copy.default: _to_copy,
     aten.copy_.default: _copy_,
+    aten.copy.default: _copy,
     aten._local_scalar_dense.default: _local_scalar_dense,
     aten.detach.default: _same_storage,
     aten.alias.default: _same_storage,
-    aten.lift_fresh.default: _same_storage,
+    aten.lift_fresh.default: _lift_fresh,
     aten.empty_like.default: _allocate,
     aten.new_empty.default: _allocate,
     aten.new_empty_strided.default: _allocate,
