@@ -399,14 +399,27 @@ def _compiled_without_breaks(fn, *args):
 def test_tensor_made_from_data_inside_a_compiled_region(data):
     """``torch.tensor(data, device=x.device)`` inside the region (Transformers'
     DynamicCache starts each layer's cache as ``torch.tensor([], device=...)``): torch
-    makes it with Python dispatch off, so it used to reach the fake mode as a real tpu
-    tensor, which broke the graph (or failed with "Cannot copy out of tpu tensor")."""
+    made a real tpu tensor, which the fake mode took as an unknown subclass (a graph
+    break per layer, or an error). Note [Tracing never makes a real tpu tensor]."""
 
     def f(x):
         t = torch.tensor(data, dtype=x.dtype, device=x.device)
         return torch.cat([t.reshape(-1), (x * 2).reshape(-1)]) + t.sum()
 
     x = torch.randn(2, 3)
+    torch.testing.assert_close(_compiled_without_breaks(f, x.to("tpu")).cpu(), f(x))
+
+
+def test_cpu_constant_moved_to_tpu_inside_a_compiled_region():
+    """A small CPU tensor made in the region and moved to tpu (Transformers' sliding
+    window cache: ``torch.tensor(window).to(device)``): the fake mode ran the move for
+    real to keep a constant, and failed on the real tpu tensor it got."""
+
+    def f(x):
+        window = torch.tensor(2)
+        return torch.minimum(x, window.to(x.device)) * 3
+
+    x = torch.randn(2, 3) * 4
     torch.testing.assert_close(_compiled_without_breaks(f, x.to("tpu")).cpu(), f(x))
 
 
@@ -432,3 +445,19 @@ def test_functional_copy_from_a_cpu_tensor():
     back = aten.copy.default(dst, src.to("tpu"))
     assert back.device.type == "cpu"
     torch.testing.assert_close(back, expected)
+
+
+def test_grouped_mm_in_float32_in_a_compiled_region():
+    """torch's meta kernel of ``_grouped_mm`` takes only bfloat16 (a CUDA limit), so
+    tracing the float32 product of a mixture-of-experts layer failed; tpu tensors get
+    a fake kernel of their own (compile/fake_kernels.py)."""
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(6, 4, generator=g), torch.randn(3, 4, 8, generator=g)
+    offs = torch.tensor([2, 5, 6], dtype=torch.int32)
+
+    def f(x, w, offs):
+        return torch._grouped_mm(x, w, offs=offs) * 2
+
+    expected = f(x, w, offs)
+    result = _compiled_without_breaks(f, x.to("tpu"), w.to("tpu"), offs.to("tpu"))
+    torch.testing.assert_close(result.cpu(), expected)

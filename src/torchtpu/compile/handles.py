@@ -29,6 +29,7 @@ import torch
 from torch.utils._pytree import tree_map_only
 
 from torchtpu import tensor as tensor_module
+from torchtpu.compile import fake_mode  # noqa: F401 - how fake tensors treat tpu
 from torchtpu.dispatch import schema
 from torchtpu.tensor import TPUTensor
 

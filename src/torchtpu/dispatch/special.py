@@ -53,27 +53,6 @@ def _same_storage(func, args, kwargs):
     return TPUTensor(x._storage, x._chain, *x._meta[:4])
 
 
-def _lift_fresh(func, args, kwargs):
-    """``torch.tensor(data, device="tpu")`` ends in ``lift_fresh`` of the tensor it made.
-
-    While torch.compile traces (a fake mode is active), torch makes that tensor with
-    Python dispatch off, so it is a real TPUTensor, which the fake mode refuses as an
-    unknown subclass. It is lifted as a CPU tensor instead, its values a constant of
-    the graph, and copied into a new tpu tensor: the region gets a traced tensor. (Not
-    ``.to("tpu")``: the fake mode would run that copy for real, to keep a constant.)
-    """
-    fake_mode = torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE)
-    if fake_mode is None:
-        return _same_storage(func, args, kwargs)
-    x = args[0]
-    with torch.utils._python_dispatch._disable_current_modes():
-        values = to_host(materialize(x))
-    # Under the fake (and, in AOTAutograd, proxy) mode: these are traced.
-    inner = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device)
-    inner.copy_(func(values))
-    return tensor_module.hooks.unflatten(inner, x.shape, x.stride())
-
-
 # -- data movement and reading values ------------------------------------------------------
 
 
@@ -313,7 +292,7 @@ SPECIAL = {
     aten._local_scalar_dense.default: _local_scalar_dense,
     aten.detach.default: _same_storage,
     aten.alias.default: _same_storage,
-    aten.lift_fresh.default: _lift_fresh,
+    aten.lift_fresh.default: _same_storage,
     aten.empty_like.default: _allocate,
     aten.new_empty.default: _allocate,
     aten.new_empty_strided.default: _allocate,
