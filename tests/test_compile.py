@@ -461,3 +461,35 @@ def test_grouped_mm_in_float32_in_a_compiled_region():
     expected = f(x, w, offs)
     result = _compiled_without_breaks(f, x.to("tpu"), w.to("tpu"), offs.to("tpu"))
     torch.testing.assert_close(result.cpu(), expected)
+
+
+def test_tensor_made_in_a_region_leaves_it_as_a_tpu_tensor():
+    """A factory's result inside the region, returned or live across a graph break
+    (MPT's ALiBi bias under generate()'s compiled decoding), used to leave as a bare
+    handle: a tpu tensor with no data, on which the next eager op failed."""
+
+    def f(x):
+        bias = torch.arange(4.0, device=x.device)
+        y = x + bias
+        torch._dynamo.graph_break()
+        return bias * 2, y[1:]
+
+    x = torch.randn(4)
+    bias, y = torch.compile(f, backend="tpu")(x.to("tpu"))
+    assert type(bias) is type(y) is torchtpu.TPUTensor
+    torch.testing.assert_close((bias[1:] + y).cpu(), torch.arange(4.0)[1:] * 2 + f(x)[1])
+
+
+def test_assert_on_a_tensor_in_a_compiled_region():
+    """torch._assert_async (Dynamo's form of ``assert`` on a tensor; DBRX's MoE routing
+    asserts one) is a value check of the compiled program, not a CPU fallback, which
+    a compiled program cannot run."""
+
+    def f(x):
+        torch._assert_async((x > 0).all(), "x must be positive")
+        return x * 2
+
+    compiled = torch.compile(f, backend="tpu")
+    assert compiled(torch.ones(3).to("tpu")).cpu().tolist() == [2.0, 2.0, 2.0]
+    with pytest.raises(RuntimeError, match="x must be positive"):
+        compiled(-torch.ones(3).to("tpu")).cpu()

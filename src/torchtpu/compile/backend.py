@@ -135,7 +135,29 @@ def tpu_backend(gm: torch.fx.GraphModule, example_inputs, **options):
     """The Dynamo backend: ``torch.compile(model, backend="tpu")``."""
     if options:
         raise TypeError(f"torch.compile(backend='tpu') takes no options, got {sorted(options)}")
-    return _aot_backend(gm, example_inputs)
+    return _tpu_tensors_out(_aot_backend(gm, example_inputs))
+
+
+def _tpu_tensors_out(compiled):
+    """``compiled`` with each output that is a bare handle made a TPUTensor.
+
+    AOTAutograd rebuilds the outputs it traced as TPUTensors from their handles, but
+    hands back as they are those it traced as plain tensors: a tensor a factory made
+    inside the region (``torch.arange(n, device="tpu")``) that leaves it, as a result
+    or across a graph break, would reach the user as a storage-less handle.
+    """
+
+    def run(*args):
+        outputs = compiled(*args)
+        return type(outputs)(_tpu_tensor(o) for o in outputs)
+
+    return torch._dynamo.disable(run, reason="torchtpu's wrapper of an AOT-compiled graph")
+
+
+def _tpu_tensor(output):
+    if handles.is_handle(output) and not output.requires_grad:
+        return handles.unflatten(output, output.shape, output.stride())
+    return output
 
 
 # Nor JAX's, which the dispatcher calls while Dynamo's frame hook may be active (DDP's
