@@ -50,6 +50,11 @@ BAD_CALLS = {
     "expand to a smaller size": lambda d: torch.ones(3, device=d).expand(2),
     "mean of an integer tensor": lambda d: torch.ones(3, dtype=torch.int64, device=d).mean(),
     "item of a multi-element tensor": lambda d: torch.ones(3, device=d).item(),
+    "assert_async of zero": lambda d: (
+        torch._assert_async(torch.zeros((), device=d), "not positive"),
+        torch.ones(1, device=d).cpu(),
+    ),
+    "assert_async of several values": lambda d: torch._assert_async(torch.ones(2, device=d)),
     "backward of a non-scalar": lambda d: (
         torch.ones(3, device=d, requires_grad=True).mul(2).backward()
     ),

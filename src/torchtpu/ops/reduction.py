@@ -12,6 +12,7 @@ from jax import lax
 
 from torchtpu.ops.registry import aten, lowers
 from torchtpu.ops.util import canonical_dim, canonical_dims, complex_logaddexp, opmath
+from torchtpu.ops.value_checks import error_if
 
 
 def _axes(self, dim):
@@ -215,6 +216,16 @@ def is_any_true(self):
 @lowers(aten._is_all_true.default)
 def is_all_true(self):
     return jnp.all(self)
+
+
+@lowers(aten._assert_async.default, aten._assert_async.msg)
+def _assert_async(self, assert_msg="Expected Tensor with single nonzero value, but got zero"):
+    """torch._assert_async (Dynamo makes one of ``assert`` on a tensor): a value
+    check, raised at the next read, as a device-side assert would be."""
+    if self.size != 1:
+        raise RuntimeError("Boolean value of Tensor with more than one value is ambiguous")
+    error_if(jnp.all(self == 0), RuntimeError, assert_msg)
+    return ()
 
 
 @lowers(aten.all.default)
