@@ -1,8 +1,10 @@
 """Hugging Face Transformers architectures on tpu match the same models on the CPU.
 
 The zoo (``torchtpu.zoo``) builds each model from a tiny config with random weights;
-nothing is downloaded. The default run covers ``torchtpu.zoo.DEFAULT``
-(one architecture of each family); ``TORCHTPU_ZOO=full`` runs all of them.
+nothing is downloaded. The default run covers ``torchtpu.zoo.DEFAULT`` (one
+architecture of each family) in every eager check and mode, plus
+``torchtpu.zoo.DEFAULT_EXTRA`` (torch.compile, the static cache) for a few of them;
+``TORCHTPU_ZOO=full`` runs every architecture in every column of docs/models.md.
 """
 
 from __future__ import annotations
@@ -13,18 +15,23 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from torchtpu.zoo import ARCHS, DEFAULT  # noqa: E402
-from torchtpu.zoo.check import CHECKS, MODES, applicable, run  # noqa: E402
+from torchtpu.zoo import ARCHS, DEFAULT, DEFAULT_EXTRA  # noqa: E402
+from torchtpu.zoo.check import applicable, columns, run  # noqa: E402
 
 FULL = os.environ.get("TORCHTPU_ZOO", "").lower() == "full"
-SELECTED = [arch for arch in ARCHS if FULL or arch.name in DEFAULT]
+
+
+def _selected(arch, check) -> bool:
+    if FULL:
+        return True
+    return arch.name in DEFAULT_EXTRA.get(check, DEFAULT)
+
 
 CASES = [
     pytest.param(arch, check, mode, id=f"{arch.name}-{check}-{mode}")
-    for arch in SELECTED
-    for check in CHECKS
-    if applicable(arch, check)
-    for mode in MODES
+    for arch in ARCHS
+    for check, mode in columns()
+    if applicable(arch, check) and _selected(arch, check)
 ]
 
 
@@ -34,3 +41,5 @@ CASES = [
 def test_matches_cpu(arch, check, mode):
     outcome = run(arch, check, mode)
     assert outcome.passed, f"{arch.name} {check} ({mode}): {outcome.reason}"
+    if check == "compile":
+        assert outcome.graph_breaks == 0, outcome.break_reasons

@@ -109,9 +109,10 @@ def masked_lm_inputs(config, generator):
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
-def seq2seq_inputs(config, generator):
-    ids = _ids(generator, config.vocab_size)
-    labels = _ids(generator, config.vocab_size, shape=(BATCH, SEQ - 2))
+def seq2seq_inputs(config, generator, target_length=SEQ - 2):
+    vocab = getattr(config, "vocab_size", None) or config.src_vocab_size
+    ids = _ids(generator, vocab)
+    labels = _ids(generator, getattr(config, "tgt_vocab_size", vocab), shape=(BATCH, target_length))
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels}
 
 
@@ -147,3 +148,40 @@ def image_text_inputs(config, generator, padding=True):
     return batch
 
 
+def filterbank_inputs(config, generator, frames=16):
+    """Log-mel filterbank frames (Speech2Text)."""
+    width = config.input_feat_per_channel * config.input_channels
+    features = torch.randn(BATCH, frames, width, generator=generator)
+    labels = _ids(generator, config.vocab_size, shape=(BATCH, SEQ - 2))
+    mask = torch.ones(BATCH, frames, dtype=torch.long)
+    return {"input_features": features, "attention_mask": mask, "labels": labels}
+
+
+def waveform_seq2seq_inputs(config, generator, samples=1600):
+    """Raw audio into an encoder-decoder (Moonshine)."""
+    audio = torch.randn(BATCH, samples, generator=generator)
+    labels = _ids(generator, config.vocab_size, shape=(BATCH, SEQ - 2))
+    return {"input_values": audio, "labels": labels}
+
+
+def spectrogram_inputs(config, generator):
+    """A spectrogram classified as a whole (Audio Spectrogram Transformer)."""
+    features = torch.randn(BATCH, config.max_length, config.num_mel_bins, generator=generator)
+    labels = torch.randint(0, config.num_labels, (BATCH,), generator=generator)
+    return {"input_values": features, "labels": labels}
+
+
+def image_tokens_inputs(config, generator):
+    """A vision-language LM's prompt (Llava): image placeholder tokens, then text."""
+    text = config.text_config
+    ids = _ids(generator, text.vocab_size - 1, shape=(BATCH, SEQ))  # not the image token
+    image = torch.full((BATCH, config.image_seq_length), config.image_token_id)
+    ids = torch.cat([image, ids], dim=1)
+    size = config.vision_config.image_size
+    pixels = torch.randn(BATCH, 3, size, size, generator=generator)
+    return {
+        "input_ids": ids,
+        "attention_mask": torch.ones_like(ids),
+        "pixel_values": pixels,
+        "labels": ids,
+    }

@@ -1,15 +1,21 @@
 """Run a zoo architecture on tpu and on the CPU and compare.
 
-Three checks, each giving an :class:`Outcome`:
+Five checks, each giving an :class:`Outcome`:
 
 - ``forward``: eval-mode forward; logits and loss.
 - ``train``: train-mode forward, ``loss.backward()`` and one ``torch.optim.AdamW``
   step; loss, logits, every parameter's gradient, and the updated parameters
   against the CPU's step from the same gradients (see ``_cpu_step_with``).
-- ``generate``: greedy ``generate()`` with the KV cache (causal LMs); the tokens.
+- ``generate``: greedy ``generate()`` with the default (dynamic) KV cache, for causal
+  LMs and encoder-decoders; the tokens.
+- ``generate_static``: the same with ``cache_implementation="static"``.
+- ``compile``: the eval-mode forward of ``torch.compile(model, backend="tpu")``
+  against the CPU's eager forward, with the number of graphs and graph breaks.
 
-The CPU side runs once per architecture (cached); the tpu side runs on a deep copy
-of the same CPU model moved with ``.to("tpu")``, in the eager mode asked for.
+The eager checks run in each eager mode (``MODES``); ``compile`` runs once (its
+graphs do not depend on the eager mode). The CPU side runs once per architecture
+(cached); the tpu side runs on a deep copy of the same CPU model moved with
+``.to("tpu")``.
 """
 
 from __future__ import annotations
@@ -23,14 +29,24 @@ from dataclasses import dataclass, field
 import torch
 
 import torchtpu
-from torchtpu.zoo import Arch
+from torchtpu.zoo.arch import Arch
 
-CHECKS = ("forward", "train", "generate")
+EAGER_CHECKS = ("forward", "train", "generate", "generate_static")
 MODES = ("strict", "defer")
+CHECKS = EAGER_CHECKS + ("compile",)
+COMPILE_MODE = "strict"  # the eager mode of whatever runs between compiled graphs
 
 # float32 on both sides, but XLA fuses and reorders reductions differently from ATen.
-TOLERANCE = {"forward": (1e-4, 1e-4), "train": (1e-3, 1e-4)}  # (rtol, atol), scaled below
+TOLERANCE = {"forward": (1e-4, 1e-4), "compile": (1e-4, 1e-4), "train": (1e-3, 1e-4)}
 NEW_TOKENS = 6
+
+# Why a check does not apply to a family that has no generate().
+_NOT_GENERATIVE = {
+    "encoder": "n/a: an encoder (no generate())",
+    "vision": "n/a: an image classifier (no generate())",
+    "audio": "n/a: a CTC model (no generate())",
+    "multimodal": "n/a: a contrastive model (no generate())",
+}
 
 
 @dataclass
@@ -44,21 +60,41 @@ class Outcome:
     reason: str = ""
     seconds: float = 0.0
     fallbacks: dict = field(default_factory=dict)
+    graphs: int | None = None  # compile: graphs Dynamo handed the backend
+    graph_breaks: int | None = None  # compile: Dynamo's graph-break count
+    break_reasons: list = field(default_factory=list)
+
+
+def columns(modes=MODES) -> list[tuple[str, str]]:
+    """The (check, mode) pairs run for every architecture, in report order."""
+    return [(c, m) for c in EAGER_CHECKS for m in modes] + [("compile", COMPILE_MODE)]
+
+
+def not_applicable(arch: Arch, check: str) -> str | None:
+    """Why ``check`` does not apply to ``arch`` (a cell of the report), or None."""
+    if check.startswith("generate") and not arch.generate:
+        return _NOT_GENERATIVE.get(arch.family, "n/a: no generate()")
+    if check == "generate_static" and arch.no_static_cache:
+        return f"n/a: {arch.no_static_cache}"
+    return None
 
 
 def applicable(arch: Arch, check: str) -> bool:
-    return check != "generate" or arch.generate
+    return not_applicable(arch, check) is None
 
 
 def run(arch: Arch, check: str, mode: str) -> Outcome:
     """Run one check; a crash on tpu is an outcome, not an exception."""
     outcome = Outcome(arch.name, check, mode)
-    expected = _cpu_reference(arch, check)
+    expected = _cpu_reference(arch, "forward" if check == "compile" else check)
     torchtpu.reset_metrics()
     start = time.perf_counter()
     try:
         with torchtpu.set_eager_mode(mode):
-            actual = _RUNNERS[check](arch, "tpu")
+            if check == "compile":
+                actual = _run_compile(arch, outcome)
+            else:
+                actual = _RUNNERS[check](arch, "tpu")
             actual = _to_cpu(actual)
     except Exception as error:  # noqa: BLE001 - the report records any failure
         outcome.crashed = True
@@ -127,7 +163,7 @@ def _cpu_step_with(arch: Arch, grads: dict) -> dict:
     return {f"step {n}": p.detach() for n, p in model.named_parameters()}
 
 
-def _run_generate(arch: Arch, device: str) -> dict:
+def _run_generate(arch: Arch, device: str, **options) -> dict:
     model = _model_on(arch, device)
     batch = _on(arch.batch(model.config), device)
     batch.pop("labels")
@@ -138,11 +174,52 @@ def _run_generate(arch: Arch, device: str) -> dict:
         do_sample=False,
         use_cache=True,
         pad_token_id=0,
+        **options,
     )
     return {"tokens": tokens}
 
 
-_RUNNERS = {"forward": _run_forward, "train": _run_train, "generate": _run_generate}
+def _run_generate_static(arch: Arch, device: str) -> dict:
+    return _run_generate(arch, device, cache_implementation="static")
+
+
+def _run_compile(arch: Arch, outcome: Outcome) -> dict:
+    """The forward of ``torch.compile(model, backend="tpu")``, counting Dynamo's graphs
+    and graph breaks into ``outcome``. Dynamo is reset before and after, so each
+    architecture compiles from scratch and leaves nothing cached."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    from torchtpu.compile.backend import tpu_backend
+
+    graphs = []
+
+    def counting_backend(gm, example_inputs):
+        graphs.append(gm)
+        return tpu_backend(gm, example_inputs)
+
+    torch._dynamo.reset()
+    counters.clear()
+    try:
+        model = _model_on(arch, "tpu")
+        batch = _on(arch.batch(model.config), "tpu")
+        with torch.no_grad():
+            output = torch.compile(model, backend=counting_backend)(**batch)
+        return _outputs(output)
+    finally:
+        breaks = counters["graph_break"]
+        outcome.graphs = len(graphs)
+        outcome.graph_breaks = sum(breaks.values())
+        outcome.break_reasons = [_first_lines(reason, 2) for reason in breaks]
+        torch._dynamo.reset()
+
+
+_RUNNERS = {
+    "forward": _run_forward,
+    "train": _run_train,
+    "generate": _run_generate,
+    "generate_static": _run_generate_static,
+}
 
 
 def _outputs(output) -> dict:
@@ -190,10 +267,13 @@ def _compare(outcome: Outcome, actual: dict, expected: dict) -> None:
         outcome.passed = True
 
 
+def _first_lines(text, n: int = 1) -> str:
+    lines = [line.strip() for line in str(text).strip().splitlines() if line.strip()]
+    return " ".join(lines[:n])[:300]
+
+
 def _crash_reason(error: Exception) -> str:
     """The exception and the innermost torchtpu/transformers frame that raised it."""
-    message = str(error).strip().splitlines()
-    first = message[0][:300] if message else ""
     frames = [
         f
         for f in traceback.extract_tb(error.__traceback__)
@@ -204,4 +284,8 @@ def _crash_reason(error: Exception) -> str:
         if frames
         else ""
     )
-    return f"{type(error).__name__}: {first}{where}"
+    message = _first_lines(error)
+    explanation = [line for line in str(error).splitlines() if "Explanation:" in line]
+    if explanation:  # Dynamo's first line is generic; its explanation names the op
+        message += " " + explanation[0].strip()[:400]
+    return f"{type(error).__name__}: {message}{where}"
