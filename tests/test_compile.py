@@ -493,3 +493,15 @@ def test_assert_on_a_tensor_in_a_compiled_region():
     assert compiled(torch.ones(3).to("tpu")).cpu().tolist() == [2.0, 2.0, 2.0]
     with pytest.raises(RuntimeError, match="x must be positive"):
         compiled(-torch.ones(3).to("tpu")).cpu()
+
+
+def test_result_viewing_part_of_an_intermediate():
+    """A compiled result with strides that skip elements (a slice of an intermediate,
+    as RecurrentGemma's conv state): its storage spans the strides, so its address can
+    be taken and a second compiled region can take it as an input."""
+    x = torch.randn(2, 8, 4)
+    y = torch.compile(lambda a: (a * 2)[..., :3], backend="tpu")(x.to("tpu"))
+    assert y.stride() == (32, 4, 1)
+    assert y.untyped_storage().nbytes() >= (1 + 31 + 14 + 2) * 4
+    z = torch.compile(lambda a: a + 1, backend="tpu")(y)
+    torch.testing.assert_close(z.cpu(), (x * 2)[..., :3] + 1)

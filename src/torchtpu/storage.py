@@ -92,7 +92,7 @@ class Storage:
     def torch_storage(self) -> torch.UntypedStorage:
         """The torch storage tensors on this Storage report (Note [Storage addresses])."""
         if self._torch_storage is None:
-            nbytes = math.prod(self.shape) * self.dtype.itemsize
+            nbytes = _extent(self.shape, self.strides) * self.dtype.itemsize
             self._torch_storage = torch._C._construct_storage_from_data_pointer(
                 _address_range(nbytes), torch.device("tpu", self.device_index), nbytes
             )
@@ -126,6 +126,14 @@ def _address_range(nbytes: int) -> int:
     start = _next_address[0]
     _next_address[0] = start + max(_ALIGNMENT, -(-nbytes // _ALIGNMENT) * _ALIGNMENT)
     return start
+
+
+def _extent(shape, strides) -> int:
+    """Elements the layout spans: the numel for a dense layout, more for one with gaps
+    (a compiled graph's result that views part of an intermediate, ``y[..., :3]``)."""
+    if 0 in shape:
+        return 0
+    return max(math.prod(shape), 1 + sum((n - 1) * s for n, s in zip(shape, strides)))
 
 
 def physical(base, strides):
