@@ -14,6 +14,7 @@ def _draws():
     return [
         torch.randn(4, 5, device="tpu").cpu(),
         torch.rand(3, device="tpu").cpu(),
+        torch.rand_like(x).cpu(),
         torch.randint(0, 100, (6,), device="tpu").cpu(),
         F.dropout(x, 0.5, training=True).cpu(),
         torch.empty(8, device="tpu").uniform_(-2, 2).cpu(),
@@ -56,6 +57,17 @@ def test_distributions_look_right():
     assert set(kept.unique().tolist()) <= {0.0, torch.tensor(1 / 0.75).item()}
     ints = torch.randint(3, 7, (10_000,), device="tpu")
     assert ints.dtype == torch.int64 and ints.min().item() == 3 and ints.max().item() == 6
+
+
+def test_random_like_factories_run_on_tpu():
+    """rand_like (PhiMoE's router jitter in training) ran on the CPU fallback."""
+    x = torch.ones(100_000, dtype=torch.bfloat16, device="tpu")
+    torchtpu.reset_metrics()
+    u = torch.rand_like(x)
+    assert u.dtype == torch.bfloat16 and u.device == x.device
+    assert 0 <= u.min().item() and u.max().item() <= 1 and abs(u.float().mean().item() - 0.5) < 0.01
+    assert torch.rand_like(x, dtype=torch.float64).dtype == torch.float64
+    assert "fallback" not in torchtpu.metrics()
 
 
 def test_dropout_in_eval_mode_is_identity(mode):

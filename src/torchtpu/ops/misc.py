@@ -214,6 +214,14 @@ def randn_like(
     return jax.random.normal(key, self.shape, work)
 
 
+@lowers(aten.rand_like.default, random=True)
+def rand_like(
+    self, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None, *, key
+):
+    work = opmath_dtype(dtypes.to_jax(dtype) if dtype is not None else self.dtype)
+    return jax.random.uniform(key, self.shape, work)
+
+
 @lowers(aten.randint_like.default, random=True)
 def randint_like(
     self, high, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None, *, key
