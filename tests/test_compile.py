@@ -505,3 +505,37 @@ def test_result_viewing_part_of_an_intermediate():
     assert y.untyped_storage().nbytes() >= (1 + 31 + 14 + 2) * 4
     z = torch.compile(lambda a: a + 1, backend="tpu")(y)
     torch.testing.assert_close(z.cpu(), (x * 2)[..., :3] + 1)
+
+
+def test_view_after_a_write_into_a_view_in_a_compiled_region():
+    """Note [Views in a compiled graph]: functionalization gives the written tensor
+    (a slice_scatter) the strides of the tensor written to; run for real it is
+    contiguous, so a view the trace allowed was impossible (Funnel's attention)."""
+
+    def f(a):
+        b = (a * 1).view(4, 2, 8, 16).permute(1, 0, 2, 3)
+        d = b.reshape(2, 4, 16, 8)[:, :, 1:].reshape(2, 4, 8, 15)
+        d[..., :8] *= 2
+        return b.reshape(2, 4, 8, 16, 1).permute(1, 0, 2, 4, 3).reshape(4, 16, 16)
+
+    x = torch.randn(4, 2, 8, 16)
+    torch.testing.assert_close(torch.compile(f, backend="tpu")(x.to("tpu")).cpu(), f(x))
+
+
+def test_eager_code_between_graphs_adds_no_graph_break():
+    """Behind a real graph break the op runs eagerly, and JAX logs as it compiles it:
+    Dynamo took that logging call for a frame to compile and counted a second break
+    ("logging.Logger method not supported"). Only the model's own break counts."""
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    x, m = torch.randn(5, 7), torch.rand(5) > 0.5  # shapes no other test compiles
+
+    def f(x, m):
+        return x[m] * 2  # a boolean mask: a data-dependent shape, a graph break
+
+    torch.testing.assert_close(
+        torch.compile(f, backend="tpu")(x.to("tpu"), m.to("tpu")).cpu(), f(x, m)
+    )
+    reasons = [reason.splitlines()[0] for reason in counters["graph_break"]]
+    assert reasons == ["Dynamic shape operator"], reasons

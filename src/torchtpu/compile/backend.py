@@ -23,6 +23,7 @@ module is imported.
 from __future__ import annotations
 
 import functools
+import logging
 
 import torch
 from torch._dynamo import trace_rules as _trace_rules
@@ -39,6 +40,8 @@ from torchtpu.interop import functions as jax_functions
 from torchtpu.runtime import jax
 from torchtpu.tensor import TPUTensor
 
+aten = torch.ops.aten
+
 
 @functools.cache
 def _decompositions() -> dict:
@@ -51,8 +54,28 @@ def _decompositions() -> dict:
     return {op: fn for op, fn in core_aten_decompositions().items() if op not in TABLE}
 
 
+def _views_as_reshapes(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """Note [Views in a compiled graph]: AOTAutograd's graphs are functional, and the
+    strides they assume are those of its trace: functionalization gives the result of
+    an in-place write into a view (``slice_scatter``) the strides of the tensor written
+    to, where the op run for real (as here, through the eager dispatcher, with the
+    strides torch's meta kernels give) makes a contiguous tensor. A ``view`` that the
+    trace allowed can then be impossible at run time (Funnel's relative attention). In
+    a functional graph a view and a reshape differ only in aliasing, which nothing in
+    it can observe, and XLA copies neither: each ``view`` runs as ``reshape``."""
+    changed = False
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target is aten.view.default:
+            node.target = aten.reshape.default
+            changed = True
+    if changed:
+        gm.recompile()
+    return gm
+
+
 def _graph_program(gm: torch.fx.GraphModule) -> Program:
     """The graph run through the eager dispatcher, as a Program (program.py)."""
+    gm = _views_as_reshapes(gm)
 
     def trace_graph(static, arrays):
         tracers = iter(arrays)
@@ -169,6 +192,14 @@ _trace_rules.add("jax")
 # Dynamo must never trace torchtpu's own code (the dispatcher behind a graph break,
 # ``.item()``): it runs as it is, like torch's C++ kernels.
 _trace_rules.add("torchtpu")
+
+# Nor a frame of the logging module entered from them: JAX logs (``logger.debug``)
+# while it compiles an eager op, and Dynamo took each such call for a frame to compile,
+# and counted a graph break ("logging.Logger method not supported") that no model
+# graph has. torch treats ``copy`` the same way: skipped as a frame of its own,
+# inlined as before when traced code calls it.
+_trace_rules.add("logging")
+_trace_rules.BUILTIN_INLINE_WHEN_CALLED.add(_trace_rules._module_dir(logging))
 
 # A @torchtpu.jax_op function is one node of Dynamo's graph (Dynamo must not trace
 # JAX's pytree code); AOTAutograd traces it into its custom ops. Those made before
