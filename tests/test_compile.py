@@ -522,6 +522,22 @@ def test_view_after_a_write_into_a_view_in_a_compiled_region():
     torch.testing.assert_close(torch.compile(f, backend="tpu")(x.to("tpu")).cpu(), f(x))
 
 
+def test_masked_assignment_in_a_compiled_region():
+    """``x[mask] = v`` stays one index_put in a graph (its shape is static); turning the
+    mask into integer indices (nonzero) made the program's shapes depend on values
+    (Longformer's attention mask). A mask and a broadcast value are a where()."""
+
+    def f(x, m):
+        y = x * 2
+        y[y > 0] = 0.0
+        y.index_put_((m,), torch.tensor([1.0, 2.0, 3.0], device=x.device), accumulate=True)
+        return y
+
+    x, m = torch.randn(4, 3), torch.tensor([True, False, True, True])
+    result = _compiled_without_breaks(f, x.to("tpu"), m.to("tpu"))
+    torch.testing.assert_close(result.cpu(), f(x, m))
+
+
 def test_eager_code_between_graphs_adds_no_graph_break():
     """Behind a real graph break the op runs eagerly, and JAX logs as it compiles it:
     Dynamo took that logging call for a frame to compile and counted a second break

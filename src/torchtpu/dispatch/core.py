@@ -190,6 +190,8 @@ def _integer_indices(handler):
     def with_integer_indices(func, args, kwargs):
         self, indices = args[0], args[1]
         if any(i is not None and (i.dtype in _MASKS or i.device != self.device) for i in indices):
+            if func in _MASKED_PUTS and (put := _masked_put(func, args, kwargs)) is not None:
+                return put
             expanded = []
             for i in indices:
                 if i is not None and i.dtype in _MASKS:
@@ -213,6 +215,28 @@ def _integer_indices(handler):
 
 
 _MASKS = (torch.bool, torch.uint8)
+_MASKED_PUTS = (aten.index_put.default, aten.index_put_.default, aten._index_put_impl_.default)
+
+
+def _masked_put(func, args, kwargs):
+    """``x[mask] = v`` with one mask over the leading dims and a ``v`` of x's dtype that
+    broadcasts to each selected element (a scalar, mostly) as a ``where``: no nonzero,
+    whose size depends on values, so a compiled program can run it too (a
+    torch.compile graph keeps ``x[mask] = v`` as one index_put, its shape being
+    static). Anything else returns None, for the integer indices of the mask."""
+    self, indices, values = args[0], args[1], args[2]
+    accumulate = args[3] if len(args) > 3 else kwargs.get("accumulate", False)
+    if len(indices) != 1 or indices[0] is None or indices[0].dtype not in _MASKS:
+        return None
+    mask = indices[0]
+    if mask.device != self.device or values.dtype != self.dtype:
+        return None
+    if values.dim() > self.dim() - mask.dim():
+        return None
+    _check_mask_shape(self, mask, 0)
+    mask = mask.bool().reshape(tuple(mask.shape) + (1,) * (self.dim() - mask.dim()))
+    result = torch.where(mask, self + values if accumulate else values, self)
+    return result if func is aten.index_put.default else self.copy_(result)
 
 
 def _check_mask_shape(self, mask, start: int) -> None:
