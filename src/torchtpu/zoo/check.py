@@ -210,7 +210,7 @@ def _run_compile(arch: Arch, outcome: Outcome) -> dict:
         breaks = counters["graph_break"]
         outcome.graphs = len(graphs)
         outcome.graph_breaks = sum(breaks.values())
-        outcome.break_reasons = [_first_lines(reason, 2) for reason in breaks]
+        outcome.break_reasons = [_break_reason(reason) for reason in breaks]
         torch._dynamo.reset()
 
 
@@ -265,6 +265,17 @@ def _compare(outcome: Outcome, actual: dict, expected: dict) -> None:
         )
     else:
         outcome.passed = True
+
+
+def _break_reason(text: str) -> str:
+    """Dynamo's graph-break message, short: what broke and where it was (its
+    "Developer debug context" names the op or the function)."""
+    context = [
+        line.split(":", 1)[1].strip()
+        for line in str(text).splitlines()
+        if line.strip().startswith("Developer debug context:") and line.split(":", 1)[1].strip()
+    ]
+    return _first_lines(text) + (f" ({context[0][:160]})" if context else "")
 
 
 def _first_lines(text, n: int = 1) -> str:
