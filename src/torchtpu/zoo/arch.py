@@ -59,9 +59,10 @@ class Arch:
         return self.inputs(config or self.build_config(), generator)
 
 
-# Dropout, layer drop and SpecAugment masking draw random numbers in training mode;
-# tpu and CPU generators differ, so the training comparison runs with all of them off.
-_RANDOM_CONFIG = re.compile(r"drop|mask_time_prob|mask_feature_prob")
+# Dropout, layer drop, SpecAugment masking and mixture-of-experts router jitter draw
+# random numbers in training mode; tpu and CPU generators differ, so the training
+# comparison runs with all of them off.
+_RANDOM_CONFIG = re.compile(r"drop|mask_time_prob|mask_feature_prob|jitter")
 
 
 def _parts(config) -> list:
