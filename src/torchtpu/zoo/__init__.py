@@ -645,6 +645,7 @@ ARCHS: list[Arch] = [
             _T5_LIKE,
             num_experts=4,
             expert_capacity=8,
+            num_decoder_layers=2,  # its default is 12, whatever num_layers says
             num_sparse_encoder_layers=1,
             num_sparse_decoder_layers=1,
         ),
@@ -694,6 +695,8 @@ ARCHS: list[Arch] = [
             relative_max_distance=16,
             decoder_start_token_id=0,
         ),
+        no_static_cache="Transformers' ProphetNet cannot decode with a static cache (the CPU "
+        "raises too)",
     ),
     _seq2seq(
         "bigbird_pegasus",
