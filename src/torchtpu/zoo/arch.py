@@ -73,8 +73,12 @@ def _parts(config) -> list:
 
 def _disable_randomness(config) -> None:
     for key, value in list(vars(config).items()):
-        if _RANDOM_CONFIG.search(key) and isinstance(value, float):
+        if not _RANDOM_CONFIG.search(key):
+            continue
+        if isinstance(value, float):
             setattr(config, key, 0.0)
+        elif isinstance(value, (list, tuple)) and all(isinstance(v, float) for v in value):
+            setattr(config, key, [0.0] * len(value))  # per stage (CvT's drop path)
 
 
 def _special_tokens_in_vocabulary(config) -> None:
