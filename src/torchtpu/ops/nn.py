@@ -239,34 +239,41 @@ def max_pool3d_with_indices_backward(
 def _avg_pool(
     self, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override, n
 ):
-    kernel, stride, padding, dilation = _pool_args(kernel_size, stride, padding, 1, n)
+    kernel, stride, padding, _ = _pool_args(kernel_size, stride, padding, 1, n)
+    spatial = self.shape[-n:]
+    out = [
+        _pool_output_size(spatial[i], kernel[i], stride[i], padding[i], 1, ceil_mode)
+        for i in range(n)
+    ]
     x = opmath(self)
-    windows, out = _windows(x, kernel, stride, padding, dilation, ceil_mode, 0)
-    total = jnp.sum(windows, axis=0)
+    total = _window_sum(x, kernel, stride, padding, out, 0)
     if divisor_override:
         return (total / divisor_override).astype(self.dtype)
-    count = _window_count(self.shape[-n:], kernel, stride, padding, out, count_include_pad, x.dtype)
+    ones = jnp.ones(spatial, x.dtype)
+    count = _window_sum(ones, kernel, stride, padding, out, 1 if count_include_pad else 0)
     return (total / count).astype(self.dtype)
 
 
-def _window_count(spatial, kernel, stride, padding, out, include_pad, dtype):
-    """Elements each window averages: padding counts if ``include_pad``; the
-    overhang of ceil_mode never does."""
+def _window_sum(x, kernel, stride, padding, out, pad_value):
+    """The sum of each window over the last ``len(kernel)`` dims, as one reduce_window
+    (a program of constant size: stacking every window offset, as max pooling does,
+    grows with the kernel; EfficientNet pools with a 320 x 320 kernel). ``padding`` is
+    filled with ``pad_value``; the overhang of ceil_mode with zeros (it never counts)."""
     n = len(kernel)
-    ones = jnp.ones(spatial, dtype)
-    padded = jnp.pad(ones, [(p, p) for p in padding], constant_values=1 if include_pad else 0)
-    pads = []
-    for i in range(n):
-        needed = (out[i] - 1) * stride[i] + kernel[i]
-        pads.append((0, max(needed - padded.shape[i], 0)))
-    padded = jnp.pad(padded, pads)
-    views = []
-    for offsets in itertools.product(*(range(k) for k in kernel)):
-        index = tuple(
-            slice(o, o + (out[i] - 1) * stride[i] + 1, stride[i]) for i, o in enumerate(offsets)
-        )
-        views.append(padded[index])
-    return jnp.sum(jnp.stack(views), axis=0)
+    lead = x.ndim - n
+    x = jnp.pad(x, [(0, 0)] * lead + [(p, p) for p in padding], constant_values=pad_value)
+    overhang = [max((out[i] - 1) * stride[i] + kernel[i] - x.shape[lead + i], 0) for i in range(n)]
+    x = jnp.pad(x, [(0, 0)] * lead + [(0, h) for h in overhang])
+    # A concrete zero: JAX then knows the sum and can differentiate it.
+    total = lax.reduce_window(
+        x,
+        x.dtype.type(0),
+        lax.add,
+        (1,) * lead + tuple(kernel),
+        (1,) * lead + tuple(stride),
+        "VALID",
+    )
+    return total[(slice(None),) * lead + tuple(slice(0, o) for o in out)]
 
 
 @lowers(aten.avg_pool2d.default)
