@@ -119,3 +119,62 @@ def test_uint8_masks_warn_as_on_the_cpu():
         assert all(str(w.message).startswith("indexing with dtype torch.uint8") for w in mine)
         counts[device] = len(mine)
     assert counts["tpu"] == counts["cpu"] == 4
+
+
+def test_out_cast_errors_are_worded_as_the_cpu_words_them():
+    # test_type_promotion's test_alternate_result matches "can't be cast to": the CPU
+    # kernel's wording, where the meta kernel says "Attempting to cast from ...".
+    def call(d):
+        x = torch.ones(3, device=d)
+        return torch.add(x, x, out=torch.empty(3, dtype=torch.int64, device=d))
+
+    expected = _raised(lambda: call("cpu"))
+    assert expected is not None and "can't be cast to" in expected[1]
+    assert _raised(lambda: call("tpu")) == expected
+
+
+@pytest.mark.parametrize("memory_format", [torch.channels_last, torch.contiguous_format])
+def test_resize_as_preserves_the_templates_memory_format(memory_format):
+    strides = {}
+    for device in ("cpu", "tpu"):
+        template = torch.randn(2, 3, 4, 5, device=device).contiguous(memory_format=memory_format)
+        flat = torch.randn(template.numel(), device=device)
+        flat.resize_as_(template, memory_format=torch.preserve_format)
+        strides[device] = flat.stride()
+    assert strides["tpu"] == strides["cpu"]
+
+
+def test_set_to_a_storage_makes_a_view_of_it():
+    results = {}
+    for device in ("cpu", "tpu"):
+        reference = torch.arange(10.0, device=device)
+        strided = torch.tensor((), device=device)
+        strided.set_(reference.untyped_storage(), 1, (2, 2), (4, 1))
+        typed = torch.tensor((), device=device).set_(reference.storage(), 6, (4,), (1,))
+        read = strided.clone()
+        strided.mul_(-1)  # writes into reference, as on the CPU
+        results[device] = (
+            strided.stride(),
+            strided.storage_offset(),
+            strided.data_ptr() - reference.data_ptr(),
+            read.tolist(),
+            typed.tolist(),
+            reference.tolist(),
+        )
+    assert results["tpu"] == results["cpu"]
+
+
+def test_set_to_a_storage_is_checked_as_on_the_cpu():
+    x = torch.arange(4.0, device="tpu")
+    # Beyond its end the CPU grows the storage; a tpu storage keeps its size.
+    y = torch.tensor((), device="tpu")
+    with pytest.raises(RuntimeError, match="not resizable"):
+        y.set_(x.untyped_storage(), 2, (3,), (1,))
+    assert y.shape == (0,) and y.tolist() == []
+    with pytest.raises(RuntimeError, match="devices must match"):
+        torch.tensor((), device="tpu").set_(torch.arange(4.0).untyped_storage(), 0, (4,), (1,))
+
+
+def test_a_quantized_fallback_result_is_refused_clearly():
+    with pytest.raises(TypeError, match="dtype torch.quint8 is not supported"):
+        torch.quantize_per_tensor(torch.ones(3, device="tpu"), 0.1, 5, torch.quint8)

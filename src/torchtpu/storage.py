@@ -93,9 +93,11 @@ class Storage:
         """The torch storage tensors on this Storage report (Note [Storage addresses])."""
         if self._torch_storage is None:
             nbytes = _extent(self.shape, self.strides) * self.dtype.itemsize
+            address = _address_range(nbytes)
             self._torch_storage = torch._C._construct_storage_from_data_pointer(
-                _address_range(nbytes), torch.device("tpu", self.device_index), nbytes
+                address, torch.device("tpu", self.device_index), nbytes
             )
+            _OWNERS[address] = self
         return self._torch_storage
 
     def holds(self, offset: int, numel: int) -> bool:
@@ -120,6 +122,16 @@ class Storage:
 #     nothing more.
 _next_address = [1 << 44]
 _ALIGNMENT = 512  # as CUDA's caching allocator rounds
+
+
+# The Storage each address range was given to, while it lives: ``set_(storage, ...)``
+# finds the Storage behind a torch storage by its data pointer.
+_OWNERS: weakref.WeakValueDictionary[int, Storage] = weakref.WeakValueDictionary()
+
+
+def owner_of(storage: torch.UntypedStorage) -> Storage | None:
+    """The Storage whose torch storage (Note [Storage addresses]) ``storage`` is."""
+    return _OWNERS.get(storage.data_ptr())
 
 
 def _address_range(nbytes: int) -> int:

@@ -12,9 +12,9 @@ from __future__ import annotations
 import warnings
 
 import torch
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_flatten, tree_map
 
-from torchtpu import config, tracing
+from torchtpu import config, dtypes, tracing
 from torchtpu.observe import metrics
 from torchtpu.observe.locations import user_frame, user_stacklevel
 
@@ -38,6 +38,10 @@ def run_on_cpu(func, args, kwargs):
             f"torchtpu: {func} has no tpu lowering and the CPU fallback is off "
             "(torchtpu.config.cpu_fallback / TORCHTPU_CPU_FALLBACK)"
         )
+    for value in tree_flatten((args, kwargs))[0]:
+        if isinstance(value, torch.dtype) and value not in dtypes.SUPPORTED:
+            # A quantized or complex32 result: refused before anything is copied.
+            dtypes.check_supported(value, f"tensor (asked of {func})")
     metrics.count("fallback", str(func))
     if metrics._recorders:
         metrics.event("fallback", op=str(func), where=user_frame())
@@ -90,6 +94,8 @@ def run_on_cpu(func, args, kwargs):
                 from torchtpu.ops import unsupported  # (imports JAX: not at import time)
 
                 unsupported.refuse("sparse layouts", op=func, layout=x.layout)
+            if x.dtype not in dtypes.SUPPORTED:  # a quantized result, complex32
+                dtypes.check_supported(x.dtype, f"tensor (the result of {func})")
             original = originals.get(id(x))
             return original if original is not None else from_cpu(x, device)
         return x

@@ -18,6 +18,7 @@ import torch
 from torch._prims_common import is_non_overlapping_and_dense_or_false, make_contiguous_strides_for
 from torch.utils._pytree import tree_flatten, tree_map
 
+from torchtpu.dispatch.meta import as_on_cpu
 from torchtpu.observe.locations import name_op, user_stacklevel
 
 aten = torch.ops.aten
@@ -75,7 +76,9 @@ def check(info, values: list) -> None:
     except NotImplementedError:
         return  # no meta kernel: copy_ into the out tensors checks their shapes
     except Exception as exc:
-        raise name_op(exc, info.op) from None
+        # The CPU kernel words some errors otherwise ("result type Float can't be cast
+        # to the desired output type Long"): replayed on CPU zeros, on this error path only.
+        raise name_op(as_on_cpu(info.op, args, kwargs, exc), info.op) from None
     if _name(info) in _OUT_DTYPE_EXACT:
         _check_exact_dtypes(info, values, metas)
     outs, sizes = _outs(info, values), [m.shape for m in _outs(info, metas)]

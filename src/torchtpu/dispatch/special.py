@@ -9,8 +9,10 @@ import functools
 import math
 
 import torch
+from torch._prims_common import make_contiguous_strides_for, suggest_memory_format
 from torch.utils._pytree import tree_map
 
+from torchtpu import storage as storage_module
 from torchtpu import tensor as tensor_module
 from torchtpu.dispatch import checks, plans, schema
 from torchtpu.dispatch.meta import on_meta
@@ -196,9 +198,12 @@ def _resize_(func, args, kwargs):
 
 
 def _resize_as_(func, args, kwargs):
-    """resize_as_ is resize_ to the template's shape (torch's own definition)."""
+    """resize_as_ is resize_ to the template's shape (torch's own definition);
+    ``preserve_format`` takes the template's memory format."""
     x, template = args[0], args[1]
     memory_format = kwargs.get("memory_format") or (args[2] if len(args) > 2 else None)
+    if memory_format == torch.preserve_format:
+        memory_format = suggest_memory_format(template)
     return _resize_(aten.resize_.default, (x, template.shape, memory_format), {})
 
 
@@ -249,6 +254,54 @@ def _set_source_tensor(func, args, kwargs):
         )
     dst._storage, dst._chain, dst._meta = src._storage, src._chain, src._meta
     return dst
+
+
+def _set_source_storage(func, args, kwargs):
+    """``x.set_(y.untyped_storage(), offset, size, stride)``: x becomes an as_strided
+    view of the Storage behind that torch storage (found by its address, Note [Storage
+    addresses]), aliasing y as on the CPU."""
+    values = schema.info(func).bind(args, kwargs)
+    x, source = values[0], values[1]
+    if func is aten.set_.source_Storage:
+        size, offset = (source.nbytes() // x.dtype.itemsize,), 0
+        stride = None
+    else:
+        offset, size, stride = values[2], tuple(values[3]), values[4]
+    stride = tuple(stride) if stride else make_contiguous_strides_for(size)
+    owner = storage_module.owner_of(source) if source.device.type == "tpu" else None
+    if owner is None:
+        if source.device != x.device:
+            raise RuntimeError(
+                f'Attempted to set the storage of a tensor on device "{x.device}" to a '
+                f'storage on different device "{source.device}".  This is no longer '
+                "allowed; the devices must match."
+            )
+        raise RuntimeError(f"{func}: this tpu storage belongs to no live tpu tensor")
+    if owner.dtype != x.dtype:
+        raise NotImplementedError(
+            f"{func}: a {x.dtype} tpu tensor can only be set to a storage of {x.dtype} "
+            f"tensors, not one of {owner.dtype} (tpu storages are typed)"
+        )
+    held = math.prod(owner.shape)
+    if _extent(size, stride, offset) > held:
+        # Before anything changes: the CPU would grow its storage, a tpu storage keeps its size.
+        raise RuntimeError(
+            f"{func}: Trying to resize storage that is not resizable: sizes {list(size)}, "
+            f"strides {list(stride)} and storage offset {offset} need "
+            f"{_extent(size, stride, offset)} elements; the storage holds {held}"
+        )
+    base = TPUTensor(owner, (), owner.shape, owner.strides, 0, owner.dtype)
+    # The TensorImpl's storage, sizes and strides are set by generic TensorImpl code.
+    aten.set_.source_Storage_storage_offset.redispatch(
+        _CPU_KEYS, x, owner.torch_storage(), offset, size, stride
+    )
+    view = base.as_strided(size, stride, offset)
+    x._storage, x._chain, x._meta = view._storage, view._chain, view._meta
+    x._addressed = owner
+    return x
+
+
+_CPU_KEYS = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
 
 
 def _native_batch_norm(func, args, kwargs):
@@ -304,6 +357,8 @@ SPECIAL = {
     aten._pin_memory.default: _cannot_pin,
     aten.record_stream.default: lambda func, args, kwargs: None,
     aten.set_.source_Tensor: _set_source_tensor,
+    aten.set_.source_Storage: _set_source_storage,
+    aten.set_.source_Storage_storage_offset: _set_source_storage,
     aten.as_strided_scatter.default: _as_strided_scatter,
     aten._nested_tensor_from_mask_left_aligned.default: _not_left_aligned,
     aten._nested_tensor_from_mask.default: _no_nested_tensors,
