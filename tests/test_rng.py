@@ -84,3 +84,33 @@ def test_seed_picks_a_new_random_seed_as_torch_cuda_seed_does():
     assert torch.tpu.initial_seed() != first
     torch.tpu.seed_all()
     assert torch.tpu.initial_seed() != first
+
+
+def test_draws_are_flat():
+    """Note [Random draws are flat]: a tensor's draw is the flat draw of its numel,
+    reshaped (the values do not depend on the shape), and its program draws rank-1
+    arrays, which XLA compiles much faster than draws of the tensor's rank."""
+    import jax
+
+    from torchtpu.ops.random import normal_
+
+    torch.manual_seed(7)
+    shaped = torch.randn(2, 3, 4, 5, device="tpu").cpu()
+    torch.manual_seed(7)
+    flat = torch.randn(120, device="tpu").cpu()
+    assert torch.equal(shaped, flat.view(2, 3, 4, 5))
+    jaxpr = jax.make_jaxpr(lambda x, key: normal_(x, key=key))(
+        jax.numpy.zeros((2, 3, 4, 5)), jax.random.key(0)
+    )
+    bits = [e for e in _eqns(jaxpr.jaxpr) if e.primitive.name in ("random_bits", "threefry2x32")]
+    assert bits and all(len(e.outvars[0].aval.shape) == 1 for e in bits)
+
+
+def _eqns(jaxpr):
+    """The equations of ``jaxpr`` and of the jaxprs nested in it (jitted functions)."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for param in eqn.params.values():
+            inner = getattr(param, "jaxpr", param)
+            if hasattr(inner, "eqns"):
+                yield from _eqns(inner)

@@ -12,7 +12,7 @@ from jax import lax
 from torchtpu import dtypes
 from torchtpu.ops import unsupported
 from torchtpu.ops.registry import aten, lowers
-from torchtpu.ops.util import canonical_dim, cast, opmath_dtype
+from torchtpu.ops.util import canonical_dim, cast, flat_draw, opmath_dtype
 from torchtpu.ops.value_checks import error_if
 
 # -- distances -----------------------------------------------------------------------------
@@ -211,7 +211,7 @@ def randn_like(
     self, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None, *, key
 ):
     work = opmath_dtype(dtypes.to_jax(dtype) if dtype is not None else self.dtype)
-    return jax.random.normal(key, self.shape, work)
+    return flat_draw(jax.random.normal, key, self.shape, dtype=work)
 
 
 @lowers(aten.rand_like.default, random=True)
@@ -226,7 +226,7 @@ def rand_like(
 def randint_like(
     self, high, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None, *, key
 ):
-    return jax.random.randint(key, self.shape, 0, high, dtype=jnp.int64)
+    return flat_draw(jax.random.randint, key, self.shape, minval=0, maxval=high, dtype=jnp.int64)
 
 
 @lowers(aten.randint_like.low_dtype, random=True)
@@ -242,7 +242,7 @@ def randint_like_low_dtype(
     *,
     key,
 ):
-    return jax.random.randint(key, self.shape, low, high, dtype=jnp.int64)
+    return flat_draw(jax.random.randint, key, self.shape, minval=low, maxval=high, dtype=jnp.int64)
 
 
 # -- searching and counting ------------------------------------------------------------------
@@ -754,7 +754,8 @@ def rrelu_with_noise(
     # Training: each non-positive element is scaled by a uniform draw in [lower, upper],
     # which the noise records (1 elsewhere), as torch's CPU kernel.
     work = opmath_dtype(self.dtype)
-    draws = jax.random.uniform(key, self.shape, work, minval=lower, maxval=upper).astype(self.dtype)
+    draws = flat_draw(jax.random.uniform, key, self.shape, dtype=work, minval=lower, maxval=upper)
+    draws = draws.astype(self.dtype)
     slope = jnp.where(self <= 0, draws, jnp.ones((), self.dtype))
     return self * slope, slope.astype(noise.dtype)
 

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from torchtpu.ops.registry import aten, lowers
-from torchtpu.ops.util import opmath_dtype
+from torchtpu.ops.util import flat_draw, opmath_dtype
 from torchtpu.ops.value_checks import error_if
 
 # 16-bit floats are drawn in float32, then rounded: as torch's CPU generator does.
@@ -17,26 +17,28 @@ from torchtpu.ops.value_checks import error_if
 @lowers(aten.normal_.default, random=True)
 def normal_(self, mean=0.0, std=1.0, generator=None, *, key):
     work = opmath_dtype(self.dtype)
-    return (mean + std * jax.random.normal(key, self.shape, work)).astype(self.dtype)
+    return (mean + std * flat_draw(jax.random.normal, key, self.shape, dtype=work)).astype(
+        self.dtype
+    )
 
 
 @lowers(aten.normal.Tensor_float, random=True)
 def normal_tensor_float(mean, std=1.0, generator=None, *, key):
     work = opmath_dtype(mean.dtype)
-    return mean + std * jax.random.normal(key, mean.shape, work)
+    return mean + std * flat_draw(jax.random.normal, key, mean.shape, dtype=work)
 
 
 @lowers(aten.normal.float_Tensor, random=True)
 def normal_float_tensor(mean, std, generator=None, *, key):
     work = opmath_dtype(std.dtype)
-    return mean + std * jax.random.normal(key, std.shape, work)
+    return mean + std * flat_draw(jax.random.normal, key, std.shape, dtype=work)
 
 
 @lowers(aten.normal.Tensor_Tensor, random=True)
 def normal_tensor_tensor(mean, std, generator=None, *, key):
     shape = jnp.broadcast_shapes(mean.shape, std.shape)
     work = opmath_dtype(jnp.result_type(mean, std))
-    return mean + std * jax.random.normal(key, shape, work)
+    return mean + std * flat_draw(jax.random.normal, key, shape, dtype=work)
 
 
 @lowers(aten.uniform_.default, random=True)
@@ -49,53 +51,63 @@ def uniform_(self, from_=0.0, to=1.0, generator=None, *, key):
     if jnp.issubdtype(self.dtype, jnp.complexfloating):
         # torch draws the real and imaginary parts each from [from, to)
         part = jnp.finfo(self.dtype).dtype
-        pair = jax.random.uniform(key, self.shape + (2,), part, minval=from_, maxval=to)
+        pair = flat_draw(
+            jax.random.uniform, key, self.shape + (2,), dtype=part, minval=from_, maxval=to
+        )
         return lax.complex(pair[..., 0], pair[..., 1])
     work = opmath_dtype(self.dtype)
-    return jax.random.uniform(key, self.shape, work, minval=from_, maxval=to).astype(self.dtype)
+    draws = flat_draw(jax.random.uniform, key, self.shape, dtype=work, minval=from_, maxval=to)
+    return draws.astype(self.dtype)
 
 
 @lowers(aten.bernoulli_.float, random=True)
 def bernoulli_float_(self, p=0.5, generator=None, *, key):
-    return jax.random.bernoulli(key, p, self.shape).astype(self.dtype)
+    return flat_draw(jax.random.bernoulli, key, self.shape, p=p).astype(self.dtype)
 
 
 @lowers(aten.bernoulli_.Tensor, random=True)
 def bernoulli_tensor_(self, p, generator=None, *, key):
-    return jax.random.bernoulli(key, jnp.broadcast_to(p, self.shape)).astype(self.dtype)
+    p = jnp.broadcast_to(p, self.shape).reshape(-1)
+    return jax.random.bernoulli(key, p).reshape(self.shape).astype(self.dtype)
 
 
 @lowers(aten.bernoulli.default, random=True)
 def bernoulli(self, generator=None, *, key):
-    return jax.random.bernoulli(key, self).astype(self.dtype)
+    return jax.random.bernoulli(key, self.reshape(-1)).reshape(self.shape).astype(self.dtype)
 
 
 @lowers(aten.bernoulli.p, random=True)
 def bernoulli_p(self, p, generator=None, *, key):
-    return jax.random.bernoulli(key, p, self.shape).astype(self.dtype)
+    return flat_draw(jax.random.bernoulli, key, self.shape, p=p).astype(self.dtype)
 
 
 @lowers(aten.exponential_.default, random=True)
 def exponential_(self, lambd=1.0, generator=None, *, key):
     work = opmath_dtype(self.dtype)
-    return (jax.random.exponential(key, self.shape, work) / lambd).astype(self.dtype)
+    return (flat_draw(jax.random.exponential, key, self.shape, dtype=work) / lambd).astype(
+        self.dtype
+    )
 
 
 @lowers(aten.geometric_.default, random=True)
 def geometric_(self, p, generator=None, *, key):
-    return jax.random.geometric(key, p, self.shape).astype(self.dtype)
+    return flat_draw(jax.random.geometric, key, self.shape, p=p).astype(self.dtype)
 
 
 @lowers(aten.log_normal_.default, random=True)
 def log_normal_(self, mean=1.0, std=2.0, generator=None, *, key):
     work = opmath_dtype(self.dtype)
-    return jnp.exp(mean + std * jax.random.normal(key, self.shape, work)).astype(self.dtype)
+    return jnp.exp(mean + std * flat_draw(jax.random.normal, key, self.shape, dtype=work)).astype(
+        self.dtype
+    )
 
 
 @lowers(aten.cauchy_.default, random=True)
 def cauchy_(self, median=0.0, sigma=1.0, generator=None, *, key):
     work = opmath_dtype(self.dtype)
-    return (median + sigma * jax.random.cauchy(key, self.shape, work)).astype(self.dtype)
+    return (median + sigma * flat_draw(jax.random.cauchy, key, self.shape, dtype=work)).astype(
+        self.dtype
+    )
 
 
 def _random_bound(dtype) -> int:
@@ -108,7 +120,7 @@ def _random_bound(dtype) -> int:
 
 
 def _randint(key, shape, low, high, dtype):
-    draws = jax.random.randint(key, shape, low, high, dtype=jnp.int64)
+    draws = flat_draw(jax.random.randint, key, shape, minval=low, maxval=high, dtype=jnp.int64)
     return draws.astype(dtype)
 
 
@@ -146,7 +158,7 @@ def native_dropout(input, p, train, *, key):
         return input, jnp.ones(input.shape, jnp.bool_)
     if p == 1:
         return jnp.zeros_like(input), jnp.zeros(input.shape, jnp.bool_)
-    keep = jax.random.bernoulli(key, 1.0 - p, input.shape)
+    keep = flat_draw(jax.random.bernoulli, key, input.shape, p=1.0 - p)
     scale = jnp.asarray(1.0 / (1.0 - p), input.dtype)
     return jnp.where(keep, input * scale, jnp.zeros((), input.dtype)), keep
 
@@ -196,6 +208,6 @@ def multinomial(self, num_samples, replacement=False, generator=None, *, key):
         draws = jax.random.categorical(key, logits, axis=-1, shape=shape)
         return jnp.moveaxis(draws, 0, -1).astype(jnp.int64)
     # Without replacement: Gumbel top-k.
-    gumbel = jax.random.gumbel(key, self.shape, jnp.float64)
+    gumbel = flat_draw(jax.random.gumbel, key, self.shape, dtype=jnp.float64)
     _, idx = jax.lax.top_k(logits + gumbel, num_samples)
     return idx.astype(jnp.int64)

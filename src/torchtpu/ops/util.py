@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 
 def canonical_dim(dim: int, ndim: int) -> int:
     """``dim`` in ``range(ndim)``; torch treats a 0-d tensor as having one dim here."""
@@ -66,3 +68,15 @@ def complex_logaddexp(x, y):
     both_inf = jnp.where(jnp.real(low) < 0, low, jnp.log(jnp.exp(low) + jnp.exp(high)))
     result = jnp.where(infinite, both_inf, result)
     return jnp.where(nan, jnp.asarray(complex(jnp.nan, jnp.nan), x.dtype), result)
+
+
+# Note [Random draws are flat]
+#     Every sampler draws a 1-d array of the tensor's numel, reshaped: the same values
+#     as a draw of the tensor's shape (JAX's threefry bits are counted over the flat
+#     index), but XLA compiles a rank-1 draw in a fraction of the time of a rank-4 one
+#     (0.35 s against 1.4 s on the CPU for normal of (10, 8, 6, 5)). Eager code meets a
+#     new program for every new shape, so this is paid often.
+def flat_draw(sampler, key, shape, **kwargs):
+    """``sampler(key, shape=shape, **kwargs)`` (a ``jax.random`` function), drawn flat
+    (Note [Random draws are flat])."""
+    return sampler(key, shape=(math.prod(shape),), **kwargs).reshape(shape)
