@@ -14,7 +14,9 @@ from typing import NamedTuple
 import pytest
 import torch
 
+import torchtpu
 from conftest import assert_same, tpu
+from torchtpu.dispatch import values
 
 aten = torch.ops.aten
 
@@ -308,6 +310,43 @@ def test_read(case, mode):
     d_v, c_v = case.fn(dev), case.fn(cpu)
     same_view(d_v, c_v)
     assert (d_v._base is dev) == (c_v._base is cpu)
+
+
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+def test_read_on_the_device(case, monkeypatch):
+    """Views of a large base are read by a program on the device (Note [Views read on
+    the host]): the same values, each view's reader compiled once."""
+    monkeypatch.setattr(values, "_HOST_VIEW_BYTES", 0)
+    cpu, dev = pair(case)
+    torchtpu.reset_metrics()
+    d_v = case.fn(dev)
+    same_view(d_v, case.fn(cpu))
+    reads = torchtpu.metrics().get("compiles", {}).get("read", 0)
+    assert reads <= (1 if d_v._chain else 0)
+
+
+def test_reading_views_of_a_small_base_compiles_nothing():
+    cpu = torch.randn(6, 5, dtype=torch.float64)
+    x = tpu(cpu)
+    torchtpu.reset_metrics()
+    items = [x[i, j].item() for i in range(6) for j in range(5)]
+    rows = [x[i].tolist() for i in range(6)]
+    views = [x.t(), x[1:5:2, ::2], x.view(torch.int64)[2], x.as_strided((3, 3), (4, 1), 2)]
+    assert items == [cpu[i, j].item() for i in range(6) for j in range(5)]
+    assert rows == cpu.tolist()
+    expected = [
+        cpu.t(),
+        cpu[1:5:2, ::2],
+        cpu.view(torch.int64)[2],
+        cpu.as_strided((3, 3), (4, 1), 2),
+    ]
+    for view, want in zip(views, expected):
+        host = view.cpu()
+        assert torch.equal(host, want)
+        assert host.stride() == want.clone(memory_format=torch.preserve_format).stride()
+    assert "compiles" not in torchtpu.metrics()
+    c = tpu(torch.randn(3, 2, dtype=torch.complex64))
+    assert torch.equal(c.conj().imag.cpu(), c.cpu().conj().imag)
 
 
 @pytest.mark.parametrize("case,write", write_params())

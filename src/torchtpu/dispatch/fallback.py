@@ -27,8 +27,7 @@ _warned: set = set()
 
 
 def run_on_cpu(func, args, kwargs):
-    from torchtpu.dispatch.checks import to_host
-    from torchtpu.dispatch.values import from_cpu, materialize
+    from torchtpu.dispatch.values import from_cpu, host_value
     from torchtpu.tensor import TPUTensor
 
     if tracing._active is not None:
@@ -65,7 +64,7 @@ def run_on_cpu(func, args, kwargs):
         nonlocal device
         if isinstance(x, TPUTensor):
             device = x._storage.device_index if device is None else device
-            host = to_host(materialize(x))
+            host = host_value(x)
             originals[id(host)] = x
             return host
         if isinstance(x, torch.device) and x.type == "tpu":

@@ -19,9 +19,9 @@ from torchtpu.dispatch.meta import on_meta
 from torchtpu.dispatch.values import (
     OutMeta,
     from_cpu,
+    host_value,
     materialize,
     move,
-    to_host,
     wrap,
 )
 from torchtpu.observe.locations import name_op
@@ -44,7 +44,7 @@ def run_on_host(func, args, kwargs):
     copied to the host. (Not the CPU fallback: the CPU is where the result was asked for.)"""
 
     def host(x):
-        return to_host(materialize(x)) if isinstance(x, TPUTensor) else x
+        return host_value(x) if isinstance(x, TPUTensor) else x
 
     return func(*tree_map(host, args), **tree_map(host, kwargs))
 
@@ -62,7 +62,7 @@ def _to_copy(func, args, kwargs):
     x = args[0]
     device = kwargs.get("device")
     if device is not None and torch.device(device).type == "cpu":
-        host = to_host(materialize(x))
+        host = host_value(x)
         dtype = kwargs.get("dtype") or x.dtype
         memory_format = kwargs.get("memory_format")
         out = host.to(dtype=dtype)
@@ -90,8 +90,7 @@ def _copy_(func, args, kwargs):
     dst, src = args[0], args[1]
     if not isinstance(dst, TPUTensor):
         # tpu -> cpu
-        host = to_host(materialize(src))
-        return dst.copy_(host)
+        return dst.copy_(host_value(src))
     whole = (
         not dst._chain
         and tuple(dst.shape) == tuple(src.shape)
@@ -132,7 +131,10 @@ def _copy_lowered():
 
 
 def _local_scalar_dense(func, args, kwargs):
-    return checks.item(materialize(args[0]))
+    x = args[0]
+    if x._chain:  # x[i].item(): no program per index (Note [Views read on the host])
+        return host_value(x).item()
+    return checks.item(materialize(x))
 
 
 def _allocate(func, args, kwargs):

@@ -8,21 +8,23 @@ built from metadata the plan computed once (`OutMeta`).
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
 
-from torchtpu import dtypes, storage
-from torchtpu.dispatch import defer
+from torchtpu import config, dtypes, storage
+from torchtpu.dispatch import defer, schema
 from torchtpu.dispatch.checks import to_host
 from torchtpu.dispatch.pending import Pending
+from torchtpu.observe import metrics
 from torchtpu.ops import view_chains
 from torchtpu.runtime import jax
 from torchtpu.runtime.transfer import to_device
 from torchtpu.storage import Storage
 from torchtpu.tensor import TPUTensor
 
-__all__ = ["OutMeta", "from_cpu", "materialize", "move", "to_host", "wrap"]
+__all__ = ["OutMeta", "from_cpu", "host_value", "materialize", "move", "to_host", "wrap"]
 
 
 class OutMeta(NamedTuple):
@@ -79,23 +81,31 @@ def move(x: TPUTensor, index: int) -> TPUTensor:
     return wrap(array, OutMeta(tuple(x.shape), contiguous(x.shape), x.dtype), index)
 
 
-_READERS: dict = {}
+# Programs reading a view through its chain, by (view, uninitialised base); counted
+# as compiles "read".
+_READERS = metrics.LRUCache("read_cache", lambda: config.op_cache_size)
+
+
+def _base(s: Storage):
+    """The storage's current base array (a pending one computed first), or None."""
+    if type(s.array) is Pending:
+        if not s.array.node_done():
+            defer.flush_pending(s.array, "value read")
+        s.array = s.array.resolved()
+    return s.array
 
 
 def materialize(t: TPUTensor):
     """The JAX array holding ``t``'s current value (its view chain applied)."""
     s = t._storage
-    if type(s.array) is Pending:
-        if not s.array.node_done():
-            defer.flush_pending(s.array, "value read")
-        s.array = s.array.resolved()
-    if not t._chain and s.array is not None:
-        return s.array
-    key = (t._meta, None if s.array is not None else (s.shape, s.dtype))
-    reader = _READERS.get(key)
+    base = _base(s)
+    if not t._chain and base is not None:
+        return base
+    key = (t._meta, None if base is not None else (s.shape, s.dtype))
+    reader = _READERS.lookup(key)
     if reader is None:
         chain = t._chain
-        if s.array is None:
+        if base is None:
             shape, dtype = s.shape, dtypes.to_jax(s.dtype)
             jnp = jax().numpy
 
@@ -107,12 +117,52 @@ def materialize(t: TPUTensor):
             def read(base):
                 return view_chains.read(base, chain)
 
-        reader = _READERS[key] = jax().jit(read)
-    if s.array is None:
+        reader = jax().jit(read)
+        _READERS.insert(key, reader)
+        metrics.count("compiles", "read")
+    if base is None:
         if s.device_index != 0:
             from torchtpu.runtime import device as jax_device
 
             with jax().default_device(jax_device(s.device_index)):
                 return reader()
         return reader()
-    return reader(s.array)
+    return reader(base)
+
+
+# Note [Views read on the host]
+#     Reading a view's values (``x[i].item()``, ``x.t().cpu()``, ``tolist()``) on the
+#     device takes a program per view -- a new compile for every index, slice or
+#     permutation a loop reads. Where the whole base is small (`_HOST_VIEW_BYTES`), it is
+#     copied to the host instead and the view is taken there by torch's own CPU view ops
+#     on that private copy: no program, and the strides are torch's. A view of a large
+#     base is read on the device, so only its own bytes cross.
+_HOST_VIEW_BYTES = 1 << 20
+
+
+def host_value(t: TPUTensor) -> torch.Tensor:
+    """A CPU tensor of ``t``'s current value, owning its memory: laid out as
+    ``clone(memory_format=torch.preserve_format)`` lays it out (Note [Views read on the
+    host]); pending value checks are raised first."""
+    s = t._storage
+    if not t._chain or math.prod(s.shape) * s.dtype.itemsize > _HOST_VIEW_BYTES:
+        return to_host(materialize(t))
+    base = _base(s)
+    x = torch.zeros(s.shape, dtype=s.dtype) if base is None else to_host(base)
+    for step in t._chain:
+        x = _host_step(x, step)
+    return x.clone(memory_format=torch.preserve_format)
+
+
+def _host_step(x: torch.Tensor, step) -> torch.Tensor:
+    op = step.op
+    if op is torch.ops.aten.as_strided.default:
+        # It addresses the storage laid out in memory (Note [Storage strides]).
+        size, stride, offset, storage_strides = step.args
+        memory = torch.empty_strided(x.shape, storage_strides, dtype=x.dtype)
+        return memory.copy_(x).as_strided(size, stride, offset)
+    args, kwargs = schema.info(op).split([x, *step.args])
+    out = op(*args, **kwargs)
+    out = out if step.index is None else out[step.index]
+    # tpu computes conj and neg views (`_conj`, `_neg_view`): later steps see values.
+    return out.resolve_conj().resolve_neg()
