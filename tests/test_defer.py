@@ -131,7 +131,7 @@ def test_a_queue_of_one_op_runs_as_that_ops_program():
 
 def test_error_in_a_queue_of_one_op_names_the_op_and_line(deferred):
     x = torch.arange(3.0, device="tpu")
-    index = torch.tensor([7], device="tpu")
+    index = torch.full((1,), 7, device="tpu")  # computed on the device: checked there
     torchtpu.sync()
     bad = x[index]  # the line to be named
     line = sys._getframe().f_lineno - 1
@@ -211,7 +211,7 @@ def test_error_in_a_chunk_names_the_op_and_line_and_spares_other_tensors(deferre
     keep = torch.arange(4.0, device="tpu") + 1
     keep.cpu()
     x = torch.arange(3.0, device="tpu")
-    bad = x[torch.tensor([7], device="tpu")]  # the line to be named
+    bad = x[torch.full((1,), 7, device="tpu")]  # the line to be named
     line = sys._getframe().f_lineno - 1
     other = keep * 2
     with pytest.raises(IndexError) as info:

@@ -114,3 +114,15 @@ def _eqns(jaxpr):
             inner = getattr(param, "jaxpr", param)
             if hasattr(inner, "eqns"):
                 yield from _eqns(inner)
+
+
+def test_rand_like_is_lowered():
+    # (It ran on the CPU fallback: the conftest fails a test that falls back.)
+    for dtype in (torch.float32, torch.bfloat16, torch.float64, torch.complex64):
+        template = torch.zeros(3, 4, dtype=dtype).t()
+        draws = torch.rand_like(template.to("tpu"))
+        expected = torch.rand_like(template)
+        assert (draws.dtype, draws.stride()) == (expected.dtype, expected.stride())
+        parts = torch.view_as_real(draws.cpu()) if dtype.is_complex else draws.cpu()
+        assert 0 <= parts.min() and parts.max() < 1
+    assert torch.rand_like(torch.zeros(2, device="tpu"), dtype=torch.float64).dtype == torch.float64

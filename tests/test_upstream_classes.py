@@ -178,3 +178,33 @@ def test_set_to_a_storage_is_checked_as_on_the_cpu():
 def test_a_quantized_fallback_result_is_refused_clearly():
     with pytest.raises(TypeError, match="dtype torch.quint8 is not supported"):
         torch.quantize_per_tensor(torch.ones(3, device="tpu"), 0.1, 5, torch.quint8)
+
+
+@pytest.mark.parametrize(
+    "index",
+    [
+        lambda d: [10],
+        lambda d: torch.tensor([10]),  # a CPU index
+        lambda d: torch.tensor([1, -11]).to(d),  # just uploaded: its values are on the host
+        lambda d: (torch.tensor([0], device=d), torch.tensor([7], device=d)),
+    ],
+)
+def test_out_of_range_indices_known_on_the_host_raise_at_once(index):
+    # test_indexing's test_advancedindex: the IndexError at the call, as on the CPU
+    # (an index computed on the device is checked when a value is next read).
+    for device in ("cpu", "tpu"):
+        x = torch.zeros(10, 7, device=device)
+        with pytest.raises(IndexError, match="out of bounds for dimension") as info:
+            x[index(device)]
+        if device == "cpu":
+            expected = str(info.value)
+        else:
+            assert str(info.value) == expected
+        with pytest.raises(IndexError, match="out of bounds"):
+            x[index(device)] = 1.0
+    x = torch.zeros(10, device="tpu")
+    i = torch.tensor([3], device="tpu")
+    i.add_(7)  # written on the device: no longer known on the host
+    y = x[i]
+    with pytest.raises(IndexError, match="out of bounds"):
+        y.cpu()

@@ -109,6 +109,29 @@ class Storage:
         return f"Storage({self.shape}, {self.dtype}, tpu:{self.device_index}, {state}, v{self.version})"
 
 
+# Note [Host copies of uploads]
+#     A small tensor just copied from the host (``torch.tensor([1, 5], device="tpu")``,
+#     ``idx.to("tpu")``) keeps a private host copy of its values while its Storage
+#     holds the array made from them; any write makes a new array, which the copy no
+#     longer matches. Index ops check such index tensors against the indexed sizes at
+#     once, as the CPU does, where a tensor computed on the device is checked by a
+#     deferred value check (ops/value_checks.py).
+_HOST_COPIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+HOST_COPY_BYTES = 1 << 16
+
+
+def keep_host_copy(storage: Storage, host: torch.Tensor) -> None:
+    """Note that ``storage``'s current array holds ``host``'s values (a private copy)."""
+    _HOST_COPIES[storage] = (storage.array, host)
+
+
+def host_copy(storage: Storage) -> torch.Tensor | None:
+    """The host copy of ``storage``'s values, if it still holds them (Note [Host copies
+    of uploads])."""
+    kept = _HOST_COPIES.get(storage)
+    return kept[1] if kept is not None and kept[0] is storage.array else None
+
+
 # Note [Storage addresses]
 #     torch code tells tensors apart, and finds those that share memory, by address:
 #     ``t.data_ptr()``, ``t.untyped_storage().data_ptr()`` and ``nbytes()`` (safetensors

@@ -26,6 +26,7 @@ import warnings
 import torch
 
 from torchtpu import rng
+from torchtpu import storage as storage_module
 from torchtpu import tensor as tensor_module
 from torchtpu.dispatch import backward_errors, out_tensors, plans, schema
 from torchtpu.dispatch import meta as oracle
@@ -33,7 +34,7 @@ from torchtpu.dispatch.fallback import run_on_cpu
 from torchtpu.dispatch.special import SPECIAL, run_on_host
 from torchtpu.dispatch.views import inplace_view_handler, view_handler
 from torchtpu.observe import metrics
-from torchtpu.observe.locations import user_stacklevel
+from torchtpu.observe.locations import add_context, user_stacklevel
 from torchtpu.ops import TABLE
 
 aten = torch.ops.aten
@@ -209,9 +210,30 @@ def _integer_indices(handler):
             if any(i is not None and i.device != self.device for i in expanded):
                 expanded = [i if i is None or i.dim() == 0 else i.to(self.device) for i in expanded]
             args = (self, expanded) + tuple(args[2:])
+        _check_known_indices(func, self, args)
         return handler(func, args, kwargs)
 
     return with_integer_indices
+
+
+def _check_known_indices(func, self, args) -> None:
+    """torch's IndexError, at once, for an index whose values the host holds: a CPU
+    tensor, or a small one just uploaded (Note [Host copies of uploads]). Others are
+    checked on the device, when a value is next read."""
+    for dim, i in enumerate(args[1]):
+        if i is None or dim >= self.dim():
+            continue
+        host = i if i.device.type == "cpu" else None
+        if host is None and not i._chain:
+            host = storage_module.host_copy(i._storage)
+        if host is None or host.numel() == 0 or host.dtype in _MASKS:
+            continue
+        size = self.shape[dim]
+        bad = (host >= size) | (host < -size)
+        if bad.any():
+            value = host[bad].reshape(-1)[0].item()
+            exc = IndexError(f"index {value} is out of bounds for dimension {dim} with size {size}")
+            raise add_context(exc, func, args)
 
 
 _MASKS = (torch.bool, torch.uint8)

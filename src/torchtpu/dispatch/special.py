@@ -100,7 +100,11 @@ def _copy_(func, args, kwargs):
         if whole:
             # The common `cpu_tensor.to("tpu")`: the transferred array becomes the base,
             # nothing to compile. (The host does the dtype conversion, as torch would.)
-            dst._storage.set(to_device(src.to(dst.dtype), dst._storage.device_index))
+            host = src.to(dst.dtype)
+            dst._storage.set(to_device(host, dst._storage.device_index))
+            if host.numel() * host.element_size() <= storage_module.HOST_COPY_BYTES:
+                host = host.resolve_conj().resolve_neg().clone()
+                storage_module.keep_host_copy(dst._storage, host)
             return dst
         src = from_cpu(src, dst._storage.device_index)
     elif src._storage.device_index != dst._storage.device_index:

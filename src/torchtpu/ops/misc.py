@@ -219,7 +219,11 @@ def rand_like(
     self, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None, *, key
 ):
     work = opmath_dtype(dtypes.to_jax(dtype) if dtype is not None else self.dtype)
-    return jax.random.uniform(key, self.shape, work)
+    if jnp.issubdtype(work, jnp.complexfloating):
+        # torch draws the real and imaginary parts each from [0, 1)
+        pair = flat_draw(jax.random.uniform, key, self.shape + (2,), dtype=jnp.finfo(work).dtype)
+        return lax.complex(pair[..., 0], pair[..., 1])
+    return flat_draw(jax.random.uniform, key, self.shape, dtype=work)
 
 
 @lowers(aten.randint_like.default, random=True)
