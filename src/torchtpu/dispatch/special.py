@@ -121,7 +121,7 @@ def _copy(func, args, kwargs):
     as for ``copy_``, the source may be on another device."""
     dst, src = args[0], args[1]
     if not isinstance(dst, TPUTensor):  # a CPU result from tpu values
-        return func(dst, to_host(materialize(src)), *args[2:], **kwargs)
+        return func(dst, host_value(src), *args[2:], **kwargs)
     if not isinstance(src, TPUTensor):
         src = from_cpu(src, dst._storage.device_index)
     elif src._storage.device_index != dst._storage.device_index:
