@@ -125,14 +125,18 @@ def count(workload: str, mode: str, src: str) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("workloads", nargs="*", default=list(WORKLOADS), choices=list(WORKLOADS))
+    # (No choices=: Python 3.11's argparse checks an empty nargs="*" list against them.)
+    parser.add_argument("workloads", nargs="*", help=f"some of {', '.join(WORKLOADS)} (all)")
     parser.add_argument("--modes", nargs="+", default=["strict", "defer"])
     parser.add_argument("--src", default=os.path.join(ROOT, "src"), help="torchtpu's src/")
     args = parser.parse_args()
+    unknown = sorted(set(args.workloads) - set(WORKLOADS))
+    if unknown:
+        parser.error(f"unknown workloads {unknown}; choose from {list(WORKLOADS)}")
     print(f"`python {' '.join(sys.argv)}`: instructions per iteration (callgrind, all threads)\n")
     print("| workload | " + " | ".join(args.modes) + " |")
     print("|---|" + "---|" * len(args.modes))
-    for workload in args.workloads:
+    for workload in args.workloads or list(WORKLOADS):
         cells = [f"{count(workload, mode, args.src) / 1e3:,.0f}k" for mode in args.modes]
         print(f"| {WORKLOADS[workload][0]} | " + " | ".join(cells) + " |", flush=True)
 
