@@ -88,7 +88,9 @@ def test_debug_mode_raises_at_the_op_naming_it_and_the_user_line():
 
 def test_strict_mode_raises_the_same_error_at_the_next_read():
     x = torch.arange(3.0, device="tpu")
-    y = x[torch.tensor([5], device="tpu")]  # queued; checked at the next read
+    # An index computed on the device is checked there, at the next read (one uploaded
+    # from the host is checked at once: Note [Host copies of uploads]).
+    y = x[torch.full((1,), 5, device="tpu")]
     line = sys._getframe().f_lineno - 1
     with pytest.raises(IndexError) as info:
         y.cpu()
