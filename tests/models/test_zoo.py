@@ -43,3 +43,21 @@ def test_matches_cpu(arch, check, mode):
     assert outcome.passed, f"{arch.name} {check} ({mode}): {outcome.reason}"
     if check == "compile":
         assert outcome.graph_breaks == 0, outcome.break_reasons
+
+
+def test_an_ill_conditioned_value_is_judged_against_float64():
+    # Note [Judged against float64]: beyond the tolerance of the CPU's float32 value,
+    # tpu passes if it is no farther from the float64 value than that float32 one is.
+    import torch
+
+    from torchtpu.zoo.check import Outcome, _compare
+
+    exact = {"grad w": torch.tensor([1.0, 2.0], dtype=torch.float64)}
+    cpu = {"grad w": torch.tensor([1.5, 2.0])}  # the CPU's float32 is 0.5 off
+    for tpu, passes in ((torch.tensor([0.8, 2.0]), True), (torch.tensor([3.0, 2.0]), False)):
+        outcome = Outcome("tiny", "train", "strict")
+        _compare(outcome, {"grad w": tpu}, cpu)
+        assert not outcome.passed  # beyond float32 tolerance of the CPU's value
+        _compare(outcome, {"grad w": tpu}, cpu, exact)
+        assert outcome.passed is passes, outcome.reason
+        assert ("float64" in outcome.reason) is not passes

@@ -107,6 +107,8 @@ def run(arch: Arch, check: str, mode: str) -> Outcome:
         if check == "train":
             expected = {**expected, **_cpu_step_with(arch, actual)}
         _compare(outcome, actual, expected)
+        if check == "train" and not outcome.passed and actual.keys() == expected.keys():
+            _compare(outcome, actual, expected, _cpu_float64_train(arch))
     outcome.seconds = time.perf_counter() - start
     outcome.fallbacks = dict(torchtpu.metrics().get("fallback", {}))
     return outcome
@@ -144,6 +146,22 @@ def _run_train(arch: Arch, device: str) -> dict:
     result.update({f"grad {n}": p.grad for n, p in named.items() if p.grad is not None})
     _adamw(model).step()
     result.update({f"step {n}": p.detach() for n, p in named.items()})
+    return result
+
+
+@functools.lru_cache(maxsize=2)
+def _cpu_float64_train(arch: Arch) -> dict:
+    """The CPU's train-mode outputs and gradients in float64 (Note [Judged against
+    float64])."""
+    model = copy.deepcopy(_cpu_model(arch)).double().train()
+    batch = {
+        k: v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v
+        for k, v in arch.batch(model.config).items()
+    }
+    output = model(**batch)
+    output.loss.backward()
+    result = _outputs(output)
+    result.update({f"grad {n}": p.grad for n, p in model.named_parameters() if p.grad is not None})
     return result
 
 
@@ -243,7 +261,14 @@ def _to_cpu(result: dict) -> dict:
     return {name: value.cpu() for name, value in result.items()}
 
 
-def _compare(outcome: Outcome, actual: dict, expected: dict) -> None:
+# Note [Judged against float64]
+#     Some tiny models are ill-conditioned in training: LeViT's batch norms over a
+#     batch of two make float32 gradients on the CPU itself differ from float64 ones
+#     by several times their scale. Where tpu and the CPU differ beyond the tolerance,
+#     a value is judged as the conformance harness judges 16-bit floats: against the
+#     CPU's float64 run, it passes if tpu is no farther from it than the CPU's float32
+#     value is (twice that, plus the tolerance).
+def _compare(outcome: Outcome, actual: dict, expected: dict, float64: dict | None = None) -> None:
     if actual.keys() != expected.keys():
         missing = sorted(expected.keys() ^ actual.keys())
         outcome.reason = f"different outputs or gradients: {missing[:4]}"
@@ -260,15 +285,27 @@ def _compare(outcome: Outcome, actual: dict, expected: dict) -> None:
             worst, worst_name = diff, name
         # Relative to the tensor's scale: gradients range over orders of magnitude.
         scale = want.double().abs().max().item() if want.numel() else 0.0
-        if not diff <= atol + rtol * scale:
-            failed.append(f"{name} differs by {diff:.3g} (scale {scale:.3g})")
+        if diff <= atol + rtol * scale:
+            continue
+        exact = float64.get(name) if float64 else None
+        if exact is not None and exact.shape == want.shape:
+            ours = (got.double() - exact).abs().max().item()
+            cpus = (want.double() - exact).abs().max().item()
+            if ours <= 2 * cpus + atol + rtol * scale:
+                continue
+            failed.append(
+                f"{name} differs by {diff:.3g} (scale {scale:.3g}); from float64 by "
+                f"{ours:.3g}, the CPU's float32 by {cpus:.3g}"
+            )
+            continue
+        failed.append(f"{name} differs by {diff:.3g} (scale {scale:.3g})")
     outcome.max_abs_diff = worst
     if failed:
         outcome.reason = "; ".join(failed[:3]) + (
             f" (+{len(failed) - 3} more)" if len(failed) > 3 else ""
         )
     else:
-        outcome.passed = True
+        outcome.passed, outcome.reason = True, ""
 
 
 def _break_reason(text: str) -> str:
