@@ -208,3 +208,16 @@ def test_out_of_range_indices_known_on_the_host_raise_at_once(index):
     y = x[i]
     with pytest.raises(IndexError, match="out of bounds"):
         y.cpu()
+
+
+@pytest.mark.parametrize(
+    "source, view",
+    [(torch.float64, torch.complex64), (torch.complex64, torch.int64), (torch.int32, torch.float32)],
+)
+def test_a_0d_tensor_viewed_as_a_dtype_of_its_size_stays_0d(source, view):
+    # (test_view_ops' test_view_dtype_new: a float64 scalar viewed as complex64 came
+    # out with shape (1,) inside, and comparing it failed to broadcast.)
+    cpu = (torch.randn(()) * 3).to(source)
+    tpu = cpu.to("tpu").view(view)
+    assert tpu.shape == () and tpu.cpu().view(source) == cpu
+    assert (tpu.view(source) == cpu.to("tpu")).item()

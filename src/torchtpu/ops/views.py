@@ -317,14 +317,19 @@ def view_dtype(self, dtype):
         x = x.astype(jnp.uint8)
     elif jnp.issubdtype(x.dtype, jnp.complexfloating):
         pairs = jnp.stack([jnp.real(x), jnp.imag(x)], axis=-1)
-        x = pairs.reshape(*x.shape[:-1], 2 * x.shape[-1])  # (no -1: x may have no elements)
+        # (no -1: x may have no elements; a 0-d x is its one pair)
+        x = pairs.reshape(*x.shape[:-1], 2 * x.shape[-1]) if x.ndim else pairs
     target = dtypes.to_jax(dtype)
     if target == jnp.bool_:
-        return _bitcast(x, jnp.dtype(jnp.uint8)).astype(jnp.bool_)
-    if jnp.issubdtype(target, jnp.complexfloating):
+        out = _bitcast(x, jnp.dtype(jnp.uint8)).astype(jnp.bool_)
+    elif jnp.issubdtype(target, jnp.complexfloating):
         pairs = _bitcast(x, jnp.finfo(target).dtype)
-        return lax.complex(pairs[..., 0::2], pairs[..., 1::2])
-    return _bitcast(x, target)
+        out = lax.complex(pairs[..., 0::2], pairs[..., 1::2])
+    else:
+        out = _bitcast(x, target)
+    # A 0-d tensor is viewed only as a dtype of its size (torch checks): one element,
+    # whatever shape the pairs of a complex side gave it.
+    return out.reshape(()) if self.ndim == 0 else out
 
 
 def _bitcast(x, target):
