@@ -1,5 +1,7 @@
 """Failure classes found by PyTorch's device-generic tests (docs/upstream-tests.md)."""
 
+import warnings
+
 import pytest
 import torch
 
@@ -221,3 +223,36 @@ def test_a_0d_tensor_viewed_as_a_dtype_of_its_size_stays_0d(source, view):
     tpu = cpu.to("tpu").view(view)
     assert tpu.shape == () and tpu.cpu().view(source) == cpu
     assert (tpu.view(source) == cpu.to("tpu")).item()
+
+
+@pytest.mark.parametrize(
+    "shape, index",
+    [
+        ((10, 0), lambda d: (slice(None), [0, 1])),
+        ((5,), lambda d: torch.tensor([1, 10], device=d)),
+        ((3, 4), lambda d: (slice(None), torch.tensor([1, 7], device=d))),
+        ((3, 4), lambda d: (torch.tensor([1], device=d), torch.tensor([9], device=d))),
+    ],
+)
+def test_an_index_known_on_the_host_raises_the_cpu_message(shape, index):
+    # The CPU kernel numbers the index tensors, not the dims they index, and words an
+    # empty dim its own way (test_indexing's test_empty_ndim_index matches on it).
+    with pytest.raises(IndexError) as cpu:
+        torch.zeros(shape)[index("cpu")]
+    with pytest.raises(IndexError) as tpu:
+        torch.zeros(shape, device="tpu")[index("tpu")]
+    assert str(tpu.value) == str(cpu.value)
+
+
+def test_a_uint8_mask_assignment_warns_once_as_on_cpu():
+    results = []
+    for device in ("cpu", "tpu"):
+        x = torch.arange(16.0, device=device).view(4, 4)
+        mask = torch.tensor([1, 0, 1, 0], dtype=torch.uint8, device=device)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            x[mask] = torch.tensor([3.0, 4.0, 5.0, 6.0], device=device)
+        # (the CPU's message ends with where in ATen it was raised)
+        results.append(([str(w.message).split(" (Triggered")[0] for w in caught], x.cpu()))
+    assert results[1][0] == results[0][0] and len(results[0][0]) == 1
+    assert torch.equal(results[1][1], results[0][1])

@@ -196,13 +196,7 @@ def _integer_indices(handler):
             expanded = []
             for i in indices:
                 if i is not None and i.dtype in _MASKS:
-                    if i.dtype == torch.uint8:  # as torch's index kernels warn, per mask
-                        warnings.warn(
-                            "indexing with dtype torch.uint8 is now deprecated, please use a "
-                            "dtype torch.bool instead.",
-                            UserWarning,
-                            stacklevel=user_stacklevel(),
-                        )
+                    _warn_if_uint8(i)
                     _check_mask_shape(self, i, len(expanded))
                     expanded.extend(aten.nonzero.default(i).unbind(1))
                 else:
@@ -216,13 +210,26 @@ def _integer_indices(handler):
     return with_integer_indices
 
 
+def _warn_if_uint8(mask) -> None:
+    if mask.dtype == torch.uint8:  # as torch's index kernels warn, per mask
+        warnings.warn(
+            "indexing with dtype torch.uint8 is now deprecated, please use a "
+            "dtype torch.bool instead.",
+            UserWarning,
+            stacklevel=user_stacklevel(),
+        )
+
+
 def _check_known_indices(func, self, args) -> None:
     """torch's IndexError, at once, for an index whose values the host holds: a CPU
     tensor, or a small one just uploaded (Note [Host copies of uploads]). Others are
-    checked on the device, when a value is next read."""
+    checked on the device, when a value is next read. Worded as the CPU kernel words
+    it, which numbers the index tensors, not the dims they index."""
+    indexed = -1
     for dim, i in enumerate(args[1]):
         if i is None or dim >= self.dim():
             continue
+        indexed += 1
         host = i if i.device.type == "cpu" else None
         if host is None and not i._chain:
             host = storage_module.host_copy(i._storage)
@@ -232,7 +239,12 @@ def _check_known_indices(func, self, args) -> None:
         bad = (host >= size) | (host < -size)
         if bad.any():
             value = host[bad].reshape(-1)[0].item()
-            exc = IndexError(f"index {value} is out of bounds for dimension {dim} with size {size}")
+            if size == 0:
+                exc = IndexError("index is out of bounds for dimension with size 0")
+            else:
+                exc = IndexError(
+                    f"index {value} is out of bounds for dimension {indexed} with size {size}"
+                )
             raise add_context(exc, func, args)
 
 
@@ -255,6 +267,7 @@ def _masked_put(func, args, kwargs):
         return None
     if values.dim() > self.dim() - mask.dim():
         return None
+    _warn_if_uint8(mask)
     _check_mask_shape(self, mask, 0)
     mask = mask.bool().reshape(tuple(mask.shape) + (1,) * (self.dim() - mask.dim()))
     result = torch.where(mask, self + values if accumulate else values, self)
