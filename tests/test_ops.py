@@ -874,10 +874,12 @@ def test_out_of_range_index_raises(mode, fn, args):
 
 
 def test_out_of_range_raises_at_next_read_in_strict_mode():
-    """Strict mode defers the check: the op returns, the next read of any value raises."""
+    """Strict mode defers the check of an index computed on the device: the op returns,
+    the next read of any value raises. (An index uploaded from the host is checked at
+    once: Note [Host copies of uploads].)"""
     x = tpu(_A)
     with torchtpu.set_eager_mode("strict"):
-        x[tpu(torch.tensor([9]))]
+        x[torch.full((1,), 9, device="tpu")]
         with pytest.raises(IndexError, match="out of bounds"):
             (x + 1).cpu()
 
