@@ -121,15 +121,17 @@ HOST_COPY_BYTES = 1 << 16
 
 
 def keep_host_copy(storage: Storage, host: torch.Tensor) -> None:
-    """Note that ``storage``'s current array holds ``host``'s values (a private copy)."""
-    _HOST_COPIES[storage] = (storage.array, host)
+    """Note that ``storage``'s current array holds ``host``'s values (a private copy).
+    The array is held weakly: a strong reference would keep DeferAndFuse from donating
+    it (Note [Donating dead inputs] counts references)."""
+    _HOST_COPIES[storage] = (weakref.ref(storage.array), host)
 
 
 def host_copy(storage: Storage) -> torch.Tensor | None:
     """The host copy of ``storage``'s values, if it still holds them (Note [Host copies
     of uploads])."""
     kept = _HOST_COPIES.get(storage)
-    return kept[1] if kept is not None and kept[0] is storage.array else None
+    return kept[1] if kept is not None and kept[0]() is storage.array else None
 
 
 # Note [Storage addresses]
