@@ -339,8 +339,11 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.write(f"{r.file}: {r.broken or _rate(r)}\n")
     if args.out:
         reasons = json.loads(args.reasons.read_text()) if args.reasons else {}
-        command = "python -m torchtpu.conformance.upstream --pytorch <pytorch> " + " ".join(
-            args.files
+        given = f"--reasons {args.reasons} --out {args.out} " if args.reasons else ""
+        command = (
+            "python -m torchtpu.conformance.upstream --pytorch <pytorch> "
+            + given
+            + " ".join(args.files)
         )
         args.out.write_text(render(reports, args.source or str(args.pytorch), command, reasons))
     return 0
