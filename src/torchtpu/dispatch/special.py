@@ -96,19 +96,16 @@ def _copy_(func, args, kwargs):
         and tuple(dst.shape) == tuple(src.shape)
         and tuple(dst.shape) == dst._storage.shape
     )
-    if not isinstance(src, TPUTensor):
-        if whole:
-            # The common `cpu_tensor.to("tpu")`: the transferred array becomes the base,
-            # nothing to compile. (The host does the dtype conversion, as torch would.)
-            host = src.to(dst.dtype)
-            dst._storage.set(to_device(host, dst._storage.device_index))
-            if host.numel() * host.element_size() <= storage_module.HOST_COPY_BYTES:
-                host = host.resolve_conj().resolve_neg().clone()
-                storage_module.keep_host_copy(dst._storage, host)
-            return dst
-        src = from_cpu(src, dst._storage.device_index)
-    elif src._storage.device_index != dst._storage.device_index:
-        src = move(src, dst._storage.device_index)
+    if whole and not isinstance(src, TPUTensor):
+        # The common `cpu_tensor.to("tpu")`: the transferred array becomes the base,
+        # nothing to compile. (The host does the dtype conversion, as torch would.)
+        host = src.to(dst.dtype)
+        dst._storage.set(to_device(host, dst._storage.device_index))
+        if host.numel() * host.element_size() <= storage_module.HOST_COPY_BYTES:
+            host = host.resolve_conj().resolve_neg().clone()
+            storage_module.keep_host_copy(dst._storage, host)
+        return dst
+    src = _source_on_device_of(dst, src)
     if whole and src.dtype == dst.dtype and not src._chain and src._storage.array is not None:
         # JAX arrays (and pending values) are immutable: the destination can share it.
         dst._storage.set(src._storage.array)
@@ -122,16 +119,17 @@ def _copy(func, args, kwargs):
     dst, src = args[0], args[1]
     if not isinstance(dst, TPUTensor):  # a CPU result from tpu values
         return func(dst, host_value(src), *args[2:], **kwargs)
+    src = _source_on_device_of(dst, src)
+    return _lowered(func, aten.copy.default)(func, (dst, src) + tuple(args[2:]), kwargs)
+
+
+def _source_on_device_of(dst: TPUTensor, src) -> TPUTensor:
+    """A copy's source, which may be a CPU tensor or on another tpu, on ``dst``'s device."""
     if not isinstance(src, TPUTensor):
-        src = from_cpu(src, dst._storage.device_index)
-    elif src._storage.device_index != dst._storage.device_index:
-        src = move(src, dst._storage.device_index)
-    return _copy_lowered()(func, (dst, src) + tuple(args[2:]), kwargs)
-
-
-@functools.cache
-def _copy_lowered():
-    return _lowered(aten.copy.default, aten.copy.default)
+        return from_cpu(src, dst._storage.device_index)
+    if src._storage.device_index != dst._storage.device_index:
+        return move(src, dst._storage.device_index)
+    return src
 
 
 def _local_scalar_dense(func, args, kwargs):

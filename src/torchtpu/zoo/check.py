@@ -138,14 +138,18 @@ def _run_forward(arch: Arch, device: str) -> dict:
 
 def _run_train(arch: Arch, device: str) -> dict:
     model = copy.deepcopy(_cpu_model(arch)).to(device).train()
-    batch = _on(arch.batch(model.config), device)
+    result = _loss_and_grads(model, _on(arch.batch(model.config), device))
+    _adamw(model).step()
+    result.update({f"step {n}": p.detach() for n, p in model.named_parameters()})
+    return result
+
+
+def _loss_and_grads(model, batch: dict) -> dict:
+    """A train-mode forward and ``loss.backward()``: the outputs and every gradient."""
     output = model(**batch)
     output.loss.backward()
     result = _outputs(output)
-    named = dict(model.named_parameters())
-    result.update({f"grad {n}": p.grad for n, p in named.items() if p.grad is not None})
-    _adamw(model).step()
-    result.update({f"step {n}": p.detach() for n, p in named.items()})
+    result.update({f"grad {n}": p.grad for n, p in model.named_parameters() if p.grad is not None})
     return result
 
 
@@ -158,11 +162,7 @@ def _cpu_float64_train(arch: Arch) -> dict:
         k: v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v
         for k, v in arch.batch(model.config).items()
     }
-    output = model(**batch)
-    output.loss.backward()
-    result = _outputs(output)
-    result.update({f"grad {n}": p.grad for n, p in model.named_parameters() if p.grad is not None})
-    return result
+    return _loss_and_grads(model, batch)
 
 
 def _adamw(model):
