@@ -6,8 +6,9 @@
 Workloads: the MLP training step (512->1024->10, SGD) at batch 64 and 1024 and the
 small transformer training step (benchmarks/eager_modes.py). Columns: Strict and
 DeferAndFuse eager; ``torch.compile(model, backend="tpu")`` (forward and backward are
-XLA programs, the optimizer runs eagerly); ``torchtpu.jit`` (the whole step is one
-program); the same step written in JAX under one ``jax.jit`` (the floor). Every step
+XLA programs, the optimizer runs eagerly), with the optimizer step fused by
+DeferAndFuse (compile+Defer) or compiled too (compile+opt: ``torch.compile(opt.step)``);
+``torchtpu.jit`` (the whole step is one program); the same step written in JAX under one ``jax.jit`` (the floor). Every step
 ends by reading the loss (``.item()``), as a training loop that logs does. Then the
 first call of each compiled path (two for torchtpu.jit, whose first call runs eagerly):
 tracing and compiling its programs, with JAX's persistent compile cache off.
@@ -57,17 +58,18 @@ def main():
     window = quiet.Window()
     print(f"\n`{quiet.command()}`: per step, every step reading its loss\n")
     print(
-        "| workload | Strict | Defer | torch.compile | compile+Defer | torchtpu.jit | jax.jit "
-        "| compile/jax | compile+Defer/jax | jit/jax | first call: compile | first call: jit |"
+        "| workload | Strict | Defer | torch.compile | compile+Defer | compile+opt | torchtpu.jit "
+        "| jax.jit | compile/jax | compile+Defer/jax | compile+opt/jax | jit/jax "
+        "| first call: compile | first call: jit |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name, (make_step, make_jax_step) in WORKLOADS.items():
         first = {}
         contenders = {
             "Strict": (make_step("eager"), "strict"),
             "Defer": (make_step("eager"), "defer"),
         }
-        for how in ("compile", "jit"):
+        for how in ("compile", "compile+opt", "jit"):
             torch._dynamo.reset()
             step = make_step(how)
             start = time.perf_counter()
@@ -85,8 +87,9 @@ def main():
         floor = times["jax.jit"]
         print(
             f"| {name} | {_us(times['Strict'])} | {_us(times['Defer'])} | {_us(times['compile'])} "
-            f"| {_us(times['compile+defer'])} | {_us(times['jit'])} | {_us(floor)} "
-            f"| {times['compile'] / floor:.2f}x | {times['compile+defer'] / floor:.2f}x "
+            f"| {_us(times['compile+defer'])} | {_us(times['compile+opt'])} | {_us(times['jit'])} "
+            f"| {_us(floor)} | {times['compile'] / floor:.2f}x "
+            f"| {times['compile+defer'] / floor:.2f}x | {times['compile+opt'] / floor:.2f}x "
             f"| {times['jit'] / floor:.2f}x | {first['compile']:.1f} s | {first['jit']:.1f} s |",
             flush=True,
         )

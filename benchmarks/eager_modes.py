@@ -123,15 +123,17 @@ def mlp_step_fn(device, batch, how="eager"):
 
 def training_step(model, opt, loss_of, how="eager"):
     """A step function (returning the loss as a float) run eagerly, with the model under
-    ``torch.compile(backend="tpu")`` (how="compile") or as one ``torchtpu.jit`` program
-    (how="jit")."""
-    run = torch.compile(model, backend="tpu") if how == "compile" else model
+    ``torch.compile(backend="tpu")`` (how="compile"), with the optimizer step compiled
+    too (how="compile+opt", as ``torch.compile(opt.step)`` users do) or as one
+    ``torchtpu.jit`` program (how="jit")."""
+    run = torch.compile(model, backend="tpu") if how.startswith("compile") else model
+    opt_step = torch.compile(opt.step, backend="tpu") if how == "compile+opt" else opt.step
 
     def step():
         opt.zero_grad()
         loss = loss_of(run)
         loss.backward()
-        opt.step()
+        opt_step()
         return loss
 
     if how == "jit":

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import importlib.metadata
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -10,6 +13,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import torchtpu
+import torchtpu.compile.backend  # noqa: F401  (the Dynamo options it sets apply from here)
 from test_training import _CNN, _Block, _mlp, _mlp_batch
 
 aten = torch.ops.aten
@@ -194,13 +198,126 @@ def test_dropout_in_a_graph_draws_new_numbers_each_call():
 def test_value_read_in_a_compiled_function_is_a_graph_break_not_an_error():
     def f(x):
         y = x * 2
-        if y.sum().item() > 0:  # Dynamo breaks the graph here and runs .item() eagerly
+        if y.sum().item() > 0:  # branching on a value: Dynamo breaks the graph here
             return y + 1
         return y - 1
 
     x = torch.randn(5)
     compiled = torch.compile(f, backend="tpu")
     torch.testing.assert_close(compiled(x.to("tpu")).cpu(), f(x))
+
+
+def _item_then_shape(x):
+    n = (x > 0).sum().item()  # a number read from values, then used as a size
+    return x * 2 + n, torch.zeros(n, device=x.device) + x.max().item()
+
+
+def test_item_in_a_compiled_region_is_no_graph_break():
+    """Note [Values read inside a compiled graph]: ``.item()`` is captured into the graph,
+    which runs as a program, the reads on the host, and a program after them; a new
+    value (here a new size) gives the right result."""
+    torchtpu.reset_metrics()
+    x = torch.randn(6, 4)
+    result = _compiled_without_breaks(_item_then_shape, x.to("tpu"))
+    for got, expected in zip(result, _item_then_shape(x), strict=True):
+        torch.testing.assert_close(got.cpu(), expected)
+    # one program before the read, one after; the float read that only feeds a tensor
+    # op stays a tensor (AOTAutograd's graph adds the 0-d max itself): no read
+    assert torchtpu.metrics()["compiles"]["graph"] == 2
+    assert torchtpu.metrics()["graph_reads"] == {"aten._local_scalar_dense.default": 1}
+    compiled = torch.compile(_item_then_shape, backend="tpu")
+    for _ in range(2):
+        x = torch.randn(6, 4)
+        for got, expected in zip(compiled(x.to("tpu")), _item_then_shape(x), strict=True):
+            torch.testing.assert_close(got.cpu(), expected)
+
+
+def test_reads_that_do_not_depend_on_each_other_share_one_stop():
+    """A MoE router's expert counts: every read that depends only on the first program
+    is taken after it, then one program runs the rest (not a program per read)."""
+
+    def f(x):
+        sizes = [(x > t).sum().item() for t in (-1.0, 0.0, 1.0)]
+        return torch.cat([x.flatten()[:s] * i for i, s in enumerate(sizes)])
+
+    torchtpu.reset_metrics()
+    x = torch.randn(6, 4)
+    torch.testing.assert_close(_compiled_without_breaks(f, x.to("tpu")).cpu(), f(x))
+    assert torchtpu.metrics()["compiles"]["graph"] == 2
+    assert torchtpu.metrics()["graph_reads"] == {"aten._local_scalar_dense.default": 3}
+
+
+def test_a_constant_of_the_graph_reaches_the_program_after_a_read():
+    """A CPU tensor the graph holds (an index made inside the region) passes from the
+    graph to the program after the read as part of its static description: new values
+    read compile new programs, which JAX tells apart from the earlier ones."""
+
+    def f(x):
+        n = (x > 0).sum().item()
+        return x.flatten()[: n + 2][torch.tensor([0, 1])] * 2
+
+    compiled = torch.compile(f, backend="tpu")
+    for seed in range(3):
+        torch.manual_seed(seed)
+        x = torch.randn(4, 4)
+        torch.testing.assert_close(compiled(x.to("tpu")).cpu(), f(x))
+
+
+def test_slice_from_a_position_computed_from_a_read_value():
+    """MPT's attention with a static cache: torch 2.13 raises PendingUnbackedSymbolNotFound
+    tracing this on any backend unless its soft switch (set by the backend) is on."""
+
+    def f(bias, length):
+        start = max(0, bias.size(1) - (1 + length))
+        return bias[:, start:, 3:] * 2
+
+    bias, length = torch.randn(4, 16, 16), torch.tensor(5)
+    compiled = torch.compile(f, backend="tpu")
+    torch.testing.assert_close(compiled(bias.to("tpu"), length.to("tpu")).cpu(), f(bias, length))
+
+
+def test_item_in_a_compiled_training_step_matches_cpu():
+    def loss_of(w, x):
+        scale = x.abs().max().item()
+        return (torch.tanh(w * x / scale) ** 2).sum()
+
+    w, x = torch.randn(5, requires_grad=True), torch.randn(5)
+    w_tpu = w.detach().to("tpu").requires_grad_()
+    loss = _compiled_without_breaks(loss_of, w_tpu, x.to("tpu"))
+    loss.backward()
+    expected = loss_of(w, x)
+    expected.backward()
+    torch.testing.assert_close(loss.cpu(), expected.detach())
+    torch.testing.assert_close(w_tpu.grad.cpu(), w.grad)
+
+
+def test_assert_on_an_item_in_a_compiled_region_raises_when_false():
+    """XLM's ``assert lengths.max().item() <= slen``: Dynamo makes it a runtime assert,
+    checked after the value is read."""
+
+    source = "def f(x, lengths):\n    assert lengths.max().item() <= x.shape[0]\n    return x + 1\n"
+    namespace = {}
+    exec(source, namespace)  # a plain assert: pytest rewrites those of this file
+    compiled = torch.compile(namespace["f"], backend="tpu")
+    x = torch.zeros(4).to("tpu")
+    assert compiled(x, torch.tensor([2, 4]).to("tpu")).cpu().tolist() == [1.0] * 4
+    with pytest.raises(RuntimeError, match="Runtime assertion failed"):
+        compiled(x, torch.tensor([9]).to("tpu"))
+
+
+def test_loading_the_backend_keeps_a_users_choice_of_capturing_items():
+    code = (
+        "import torch._dynamo, torchtpu.compile.backend;"
+        "print(torch._dynamo.config.capture_scalar_outputs)"
+    )
+    for env, expected in ((None, "True"), ("0", "False")):
+        environ = {k: v for k, v in os.environ.items() if k != "TORCHDYNAMO_CAPTURE_SCALAR_OUTPUTS"}
+        if env is not None:
+            environ["TORCHDYNAMO_CAPTURE_SCALAR_OUTPUTS"] = env
+        run = subprocess.run(
+            [sys.executable, "-c", code], env=environ, capture_output=True, text=True, check=True
+        )
+        assert run.stdout.strip() == expected
 
 
 def test_backend_rejects_unknown_options():

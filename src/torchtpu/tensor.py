@@ -199,8 +199,11 @@ class TPUTensor(torch.Tensor):
 
     def untyped_storage(self) -> torch.UntypedStorage:
         if self._inner is not None:  # a traced wrapper (torch.compile) has no Storage
+            from torch.fx.experimental.symbolic_shapes import guard_or_false
+
             storage = super().untyped_storage()
-            if storage.nbytes() == 0:
+            # (a size read from values inside the graph is unknown: not known empty)
+            if guard_or_false(storage.nbytes() == 0):
                 # Fakifying an empty tensor resizes its storage to 0 bytes, which a tpu
                 # storage cannot do (that needs C++ PrivateUse1 hooks); a meta one can.
                 storage = self.__dict__.setdefault(

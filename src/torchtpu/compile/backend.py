@@ -24,8 +24,10 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 
 import torch
+import torch.fx.experimental._config
 from torch._dynamo import trace_rules as _trace_rules
 from torch._dynamo.backends import registry as _registry
 from torch._dynamo.backends.common import aot_autograd
@@ -33,12 +35,11 @@ from torch._dynamo.backends.registry import register_backend
 
 from torchtpu import dtypes
 from torchtpu.compile import handles
-from torchtpu.compile.program import Program, tensor_of
+from torchtpu.compile.program import Program, flatten_values, unflatten_values
+from torchtpu.compile.segments import Segmented, reads_values
 from torchtpu.dispatch import backward_errors
-from torchtpu.dispatch.values import materialize
 from torchtpu.interop import functions as jax_functions
 from torchtpu.runtime import jax
-from torchtpu.tensor import TPUTensor
 
 aten = torch.ops.aten
 
@@ -78,27 +79,16 @@ def _graph_program(gm: torch.fx.GraphModule) -> Program:
     gm = _views_as_reshapes(gm)
 
     def trace_graph(static, arrays):
-        tracers = iter(arrays)
-        inputs = [
-            tensor_of(next(tracers), spec) if isinstance(spec, torch.dtype) else spec
-            for spec in static
-        ]
-        results = gm(*inputs)
-        arrays_out, layout = [], []
-        for r in results:
-            if isinstance(r, TPUTensor):
-                arrays_out.append(materialize(r))
-                layout.append(r.dtype)
-            else:
-                layout.append(r)  # None, or an int (a size the backward needs)
-        return arrays_out, tuple(layout)
+        # outputs besides tensors: None, or an int (a size the backward needs)
+        return flatten_values(gm(*unflatten_values(static, arrays)))
 
     return Program(trace_graph, "graph")
 
 
 def _compile_graph(gm: torch.fx.GraphModule, example_inputs):
     """AOTAutograd's forward/backward compiler: a boxed function of handles."""
-    program = _graph_program(gm)
+    # Note [Values read inside a compiled graph]
+    program = Segmented(gm, _graph_program) if reads_values(gm) else _graph_program(gm)
 
     def run(args: list):
         static, arrays = [], []
@@ -128,14 +118,7 @@ def _compile_graph(gm: torch.fx.GraphModule, example_inputs):
                 raise
             # Note [Why backward errors are deferred]
             return _poisoned_handles(exc, _output_values(gm))
-        results, arrays_out = [], iter(outputs)
-        for spec in layout:
-            results.append(
-                handles.make_handle(next(arrays_out), spec)
-                if isinstance(spec, torch.dtype)
-                else spec
-            )
-        return results
+        return unflatten_values(layout, outputs, handles.make_handle)
 
     run._boxed_call = True
     return run
@@ -205,6 +188,19 @@ _trace_rules.BUILTIN_INLINE_WHEN_CALLED.add(_trace_rules._module_dir(logging))
 # JAX's pytree code); AOTAutograd traces it into its custom ops. Those made before
 # Dynamo was loaded are marked here, later ones when they are made.
 jax_functions.mark_for_dynamo()
+
+# Note [Values read inside a compiled graph] (segments.py): ``x.item()`` in a compiled
+# region becomes a node of the graph rather than a graph break. Dynamo offers no way to
+# set this for one backend only (torch.compile's wrapper of a named backend drops a
+# ``backend_ctx_ctor``), so it is set when the backend loads; a user who set
+# TORCHDYNAMO_CAPTURE_SCALAR_OUTPUTS, or sets the option after this, keeps their choice.
+# With it, torch 2.13's fake tensors fail a slice whose start is computed from a read
+# value (``x[:, max(0, n - t.item()):]``, as MPT's attention does with a static cache)
+# with PendingUnbackedSymbolNotFound, on any backend; torch's own switch makes that a
+# logged warning, and the graph is right (tests/test_compile.py).
+if "TORCHDYNAMO_CAPTURE_SCALAR_OUTPUTS" not in os.environ:
+    torch._dynamo.config.capture_scalar_outputs = True
+    torch.fx.experimental._config.soft_pending_unbacked_not_found_error = True
 
 # Found through the entry point, Dynamo registers it itself once this module loads
 # (and would refuse a second registration); imported directly, it registers here.

@@ -36,6 +36,7 @@ import torch
 
 from torchtpu import rng, tracing
 from torchtpu.dispatch import checks, defer, modes
+from torchtpu.dispatch.values import materialize
 from torchtpu.observe import metrics
 from torchtpu.observe.locations import user_frame
 from torchtpu.runtime import jax
@@ -188,3 +189,49 @@ def tensor_of(array, dtype: torch.dtype) -> TPUTensor:
     shape = tuple(array.shape)
     strides = _contiguous_strides(shape)
     return TPUTensor(Storage(array, shape, strides, dtype, 0), (), shape, strides, 0, dtype)
+
+
+def flatten_values(values) -> tuple[list, tuple]:
+    """A graph's inputs or outputs as ``(arrays, layout)``: the array of each TPUTensor,
+    and a layout holding each tensor's dtype in its place and anything else (a size,
+    None) as it is. A Program's trace function receives and returns this form."""
+    arrays, layout = [], []
+    for v in values:
+        if isinstance(v, TPUTensor):
+            arrays.append(materialize(v))
+            layout.append(v.dtype)
+        elif isinstance(v, torch.Tensor):
+            layout.append(_Constant(v))
+        else:
+            layout.append(v)
+    return arrays, tuple(layout)
+
+
+def unflatten_values(layout, arrays, tensor=tensor_of) -> list:
+    """The values `flatten_values` describes, each array made a tensor by ``tensor(array,
+    dtype)``: a contiguous TPUTensor, or a handle (handles.py)."""
+    arrays = iter(arrays)
+    values = []
+    for spec in layout:
+        if isinstance(spec, torch.dtype):
+            values.append(tensor(next(arrays), spec))
+        else:
+            values.append(spec.tensor if isinstance(spec, _Constant) else spec)
+    return values
+
+
+class _Constant:
+    """A tensor that is not a tpu tensor (a CPU constant a graph holds, passed from one
+    of its programs to the next): part of the layout by identity, so JAX can hash and
+    compare it as a static argument."""
+
+    __slots__ = ("tensor",)
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
+
+    def __eq__(self, other):
+        return isinstance(other, _Constant) and other.tensor is self.tensor
+
+    def __hash__(self):
+        return id(self.tensor)
