@@ -8,10 +8,11 @@ small transformer training step (benchmarks/eager_modes.py). Columns: Strict and
 DeferAndFuse eager; ``torch.compile(model, backend="tpu")`` (forward and backward are
 XLA programs, the optimizer runs eagerly), with the optimizer step fused by
 DeferAndFuse (compile+Defer) or compiled too (compile+opt: ``torch.compile(opt.step)``);
-``torchtpu.jit`` (the whole step is one program); the same step written in JAX under one ``jax.jit`` (the floor). Every step
-ends by reading the loss (``.item()``), as a training loop that logs does. Then the
-first call of each compiled path (two for torchtpu.jit, whose first call runs eagerly):
-tracing and compiling its programs, with JAX's persistent compile cache off.
+``torchtpu.jit`` (the whole step is one program); the same step written in JAX under
+one ``jax.jit`` (the floor). Every step ends by reading the loss (``.item()``), as a
+training loop that logs does. Then the first call of each compiled path (two for
+torchtpu.jit, whose first call runs eagerly): tracing and compiling its programs, with
+JAX's persistent compile cache off.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import jax  # noqa: E402
 import torch  # noqa: E402
 
 import torchtpu  # noqa: E402
@@ -33,6 +33,7 @@ from benchmarks.eager_modes import (  # noqa: E402
     jax_mlp_step_fn,
     jax_transformer_step_fn,
     mlp_step_fn,
+    runtime_line,
     transformer_step_fn,
 )
 
@@ -53,7 +54,7 @@ WORKLOADS = {
 
 
 def main():
-    print(f"torch {torch.__version__}, jax {jax.__version__}, backend {jax.default_backend()}")
+    print(runtime_line())
     quiet.check_before_start()
     window = quiet.Window()
     print(f"\n`{quiet.command()}`: per step, every step reading its loss\n")

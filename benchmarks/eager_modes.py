@@ -39,7 +39,12 @@ import torchtpu
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks import quiet  # noqa: E402
+from torchtpu.runtime.backend import jax as _configured_jax  # noqa: E402
 
+# JAX must start the way torchtpu starts it (its CPU async dispatch setting applies only
+# before the backend starts): a `jax.default_backend()` here first would measure JAX's
+# defaults, not the product's.
+_configured_jax()
 torch.set_num_threads(1)
 # The workloads read values every step on purpose; the hints that say so are expected.
 warnings.simplefilter("ignore", torchtpu.TPUPerformanceWarning)
@@ -433,8 +438,17 @@ def first_step():
         print(f"| {label} | {seconds[0]:.2f} s | {seconds[1]:.2f} s |", flush=True)
 
 
+def runtime_line() -> str:
+    """Versions and JAX's backend as torchtpu configured it."""
+    dispatch = "async" if torchtpu.config.cpu_async_dispatch else "sync"
+    return (
+        f"torch {torch.__version__}, jax {jax.__version__}, backend {jax.default_backend()}, "
+        f"CPU dispatch {dispatch} (torchtpu.config.cpu_async_dispatch)"
+    )
+
+
 def main():
-    print(f"torch {torch.__version__}, jax {jax.__version__}, backend {jax.default_backend()}")
+    print(runtime_line())
     print(f"machine: {os.cpu_count()} cores, {platform.processor() or platform.machine()}")
     quiet.check_before_start()
     per_op()
