@@ -1,8 +1,8 @@
 """A compiled graph that reads values: programs with the reads on the host between.
 
 Note [Values read inside a compiled graph]
-    While Dynamo traces for the tpu backend, ``capture_scalar_outputs`` is on (the
-    backend's context, backend.py), so ``x.item()`` in a compiled region is a node of
+    Loading the tpu backend turns Dynamo's ``capture_scalar_outputs`` on (backend.py;
+    Dynamo has no per-backend switch), so ``x.item()`` in a compiled region is a node of
     the graph (``aten._local_scalar_dense``, an *unbacked* symbol) instead of a graph
     break. An XLA program cannot turn its values into a Python number, so such a graph
     runs in segments: the nodes that need no value read run as one program, then the
@@ -17,8 +17,9 @@ Note [Values read inside a compiled graph]
 
     A node reads values if its op is tagged ``data_dependent_output``
     (``_local_scalar_dense``, ``equal``), or ``dynamic_output_shape`` (``nonzero``, where
-    Dynamo captures one) and its output's shape has a new unbacked symbol. Other ops whose sizes involve a value read (a slice up to it)
-    run in the programs after the read, where that value is static.
+    Dynamo captures one) and its output's shape has a new unbacked symbol. Other ops
+    whose sizes involve a value read (a slice up to it) run in the programs after the
+    read, where that value is static.
 """
 
 from __future__ import annotations
