@@ -73,6 +73,12 @@ compile_cache_max_bytes: int = int(os.environ.get("TORCHTPU_COMPILE_CACHE_MAX_BY
 #: It also flushes at the end of every ``optimizer.step()``.
 defer_max_ops: int = int(os.environ.get("TORCHTPU_DEFER_MAX_OPS", "512"))
 
+#: torch.compile(backend="tpu") captures ``.item()`` into its graphs: Dynamo's
+#: ``capture_scalar_outputs``, set process-wide when the backend loads (Note [Values read
+#: inside a compiled graph]). A user who set Dynamo's own variable,
+#: TORCHDYNAMO_CAPTURE_SCALAR_OUTPUTS, keeps their choice.
+compile_capture_scalars: bool = "TORCHDYNAMO_CAPTURE_SCALAR_OUTPUTS" not in os.environ
+
 #: Warn when compiling DeferAndFuse chunks has taken this many seconds and more than
 #: half of the time since the first compiled (perf_warnings.py).
 compile_warn_seconds: float = float(os.environ.get("TORCHTPU_COMPILE_WARN_SECONDS", "10"))

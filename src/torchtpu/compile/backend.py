@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 
 import torch
 import torch.fx.experimental._config
@@ -33,7 +32,7 @@ from torch._dynamo.backends import registry as _registry
 from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.backends.registry import register_backend
 
-from torchtpu import dtypes
+from torchtpu import config, dtypes
 from torchtpu.compile import handles
 from torchtpu.compile.program import Program, flatten_values, unflatten_values
 from torchtpu.compile.segments import Segmented, reads_values
@@ -198,7 +197,7 @@ jax_functions.mark_for_dynamo()
 # value (``x[:, max(0, n - t.item()):]``, as MPT's attention does with a static cache)
 # with PendingUnbackedSymbolNotFound, on any backend; torch's own switch makes that a
 # logged warning, and the graph is right (tests/test_compile.py).
-if "TORCHDYNAMO_CAPTURE_SCALAR_OUTPUTS" not in os.environ:
+if config.compile_capture_scalars:
     torch._dynamo.config.capture_scalar_outputs = True
     torch.fx.experimental._config.soft_pending_unbacked_not_found_error = True
 

@@ -79,7 +79,7 @@ class Segmented:
         # tuple_return: every segment returns a tuple, whatever its number of outputs.
         self._split = split_module(gm, None, lambda node: partition[node], tuple_return=True)
         for name, part in list(self._split.named_children()):
-            if int(name.rpartition("_")[2]) % 2 == 1:
+            if reads_values(part):  # partitions 2k + 1 hold only the reads
                 setattr(self._split, name, _ReadSegment(part))
             elif _makes_tensors(part):
                 # A program segment: replaced by a callable of TPUTensors and numbers.

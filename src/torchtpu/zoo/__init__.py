@@ -1051,7 +1051,7 @@ BY_NAME: dict[str, Arch] = {arch.name: arch for arch in ARCHS}
 # mixture-of-experts routing (histc, grouped matmuls), relative attention buckets,
 # patch embeddings, CTC loss and weight norm -- in every eager check and mode. The
 # checks named in DEFAULT_EXTRA run only for the architectures listed there (each
-# costs a compile of its own; XLM's compiled forward reads a value inside its graph). ``TORCHTPU_ZOO=full`` runs every architecture in every
-# column.
+# costs a compile of its own; XLM's compiled forward reads a value inside its graph).
+# ``TORCHTPU_ZOO=full`` runs every architecture in every column.
 DEFAULT = ("llama", "mixtral", "bert", "t5", "vit", "wav2vec2")
 DEFAULT_EXTRA = {"generate_static": ("llama",), "compile": ("llama", "mixtral", "vit", "xlm")}
