@@ -147,6 +147,108 @@ def test_compiled_matches_eager_in_every_mode(mode):
     assert int(model.bn.num_batches_tracked.item()) == 1
 
 
+# -- torch.compile in DeferAndFuse: graphs join the step's chunk ------------------------
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_compiled_training_in_defer_mode_is_one_chunk_per_step(name):
+    """Note [Compiled graphs in DeferAndFuse chunks]: from the second step on, the
+    forward and backward graphs, the eager loss and the optimizer are recorded and run
+    as one chunk per step; the model trains exactly as on the CPU."""
+    make_model, make_batch, loss_fn, make_opt = MODELS[name]
+    results = {}
+    for device in ("cpu", "tpu"):
+        torch.manual_seed(0)
+        model = make_model().to(device)
+        batch = [t.to(device) for t in make_batch()]
+        opt = make_opt(model.parameters())
+        run = torch.compile(model, backend="tpu") if device == "tpu" else model
+        losses = []
+        with torchtpu.set_eager_mode("defer" if device == "tpu" else "strict"):
+            for step in range(5):
+                if step == 3:
+                    torchtpu.reset_metrics()
+                opt.zero_grad()
+                loss = loss_fn(run, *batch)
+                loss.backward()
+                opt.step()
+                losses.append(loss.item())
+            metrics = torchtpu.metrics()  # of the last two steps
+        results[device] = losses, {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    torch.testing.assert_close(
+        torch.tensor(results["tpu"][0]), torch.tensor(results["cpu"][0]), rtol=0, atol=1e-5
+    )
+    for key, value in results["cpu"][1].items():
+        torch.testing.assert_close(results["tpu"][1][key], value, rtol=1e-4, atol=5e-5)
+    assert sum(metrics["flushes"].values()) == 2  # at the optimizer step or the loss's read
+    assert metrics["compiled_calls"]["graph"] == 4  # forward and backward, each step
+    assert metrics["chunk_cache"] == {"hit": 2}  # nothing compiled
+    assert "compiles" not in metrics and "fallback" not in metrics
+
+
+def _linear_then_cross_entropy(w, x, target):
+    return F.cross_entropy(x @ w, target)
+
+
+def test_value_check_in_a_queued_graph_is_raised_at_the_next_read():
+    """A graph's check (a class label out of range) recorded in a chunk is raised as
+    a check of an eager op is: at the next read, naming the op and the user's line."""
+    compiled = torch.compile(_linear_then_cross_entropy, backend="tpu")
+    w, x = torch.randn(4, 3).to("tpu"), torch.randn(2, 4).to("tpu")
+    with torchtpu.set_eager_mode("defer"):
+        compiled(w, x, torch.tensor([0, 2]).to("tpu")).item()  # traced and compiled
+        loss = compiled(w, x, torch.tensor([0, 7]).to("tpu"))  # recorded
+        assert torchtpu.dispatch.defer.pending_count() == 1
+        with pytest.raises(IndexError, match="Target is out of bounds") as info:
+            loss.item()
+    notes = "\n".join(info.value.__notes__)
+    assert "nll_loss" in notes and "test_compile.py" in notes
+
+
+def test_dropout_in_a_queued_graph_draws_as_a_run_graph_does():
+    """The RNG seed and offset of a recorded graph are inputs of its op: the numbers it
+    draws are those the same call draws in Strict, and each call draws new ones."""
+    model = nn.Sequential(nn.Linear(16, 64), nn.Dropout(0.5)).to("tpu")
+    compiled = torch.compile(model, backend="tpu")
+    x = torch.randn(8, 16).to("tpu")
+    draws = {}
+    for mode in ("strict", "defer"):
+        torch.manual_seed(0)
+        with torchtpu.set_eager_mode(mode):
+            draws[mode] = [compiled(x).detach().cpu() for _ in range(3)]
+    for strict, deferred in zip(draws["strict"], draws["defer"], strict=True):
+        torch.testing.assert_close(deferred, strict)
+    assert not torch.equal(draws["defer"][1] == 0, draws["defer"][2] == 0)
+
+
+def test_graph_with_a_read_runs_at_once_in_defer_mode():
+    """A graph that reads a value inside (segments.py) is not queued: it runs, with the
+    queue's pending inputs computed first."""
+    compiled = torch.compile(_item_then_shape, backend="tpu")
+    x = torch.randn(6, 4)
+    with torchtpu.set_eager_mode("defer"):
+        for _ in range(2):
+            pending = x.to("tpu") * 1  # queued
+            for got, expected in zip(compiled(pending), _item_then_shape(x), strict=True):
+                torch.testing.assert_close(got.cpu(), expected)
+
+
+def test_graph_input_viewing_a_pending_value_in_defer_mode():
+    """A graph argument that is a view of a value still queued (a shifted sequence, the
+    gradient of a flattened output) is read by an op recorded in the same queue: the
+    add, both reads and the graph run as one chunk."""
+    compiled = torch.compile(lambda a, b: (a * b).sum(0), backend="tpu")
+    x = torch.randn(4, 6)
+    with torchtpu.set_eager_mode("defer"):
+        for call in range(2):
+            y = x.to("tpu") + 1
+            result = compiled(y.t()[:5], y.t()[1:])
+            if call:
+                assert torchtpu.dispatch.defer.pending_count() == 4
+            expected = (x + 1).t()
+            torch.testing.assert_close(result.cpu(), (expected[:5] * expected[1:]).sum(0))
+
+
 def test_new_input_shape_compiles_once_then_is_cached():
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)).to("tpu")
     compiled = torch.compile(model, backend="tpu")

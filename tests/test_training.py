@@ -240,3 +240,80 @@ def test_fused_adamw_with_a_grad_scale_as_the_cpu_kernel(found_inf):
         results.append([t.cpu() for t in written])
     for ours, cpus in zip(*results):
         torch.testing.assert_close(ours, cpus, rtol=1e-5, atol=1e-6)
+
+
+# -- optimizers' default path on tpu: their _foreach_ kernels, as on CUDA -------------------
+
+_OPTIMIZERS = [
+    (torch.optim.SGD, dict(lr=0.1)),
+    (torch.optim.SGD, dict(lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.01)),
+    (torch.optim.SGD, dict(lr=0.1, momentum=0.9, dampening=0.1, maximize=True)),
+    (torch.optim.Adam, dict(lr=0.01)),
+    (torch.optim.Adam, dict(lr=0.01, amsgrad=True, weight_decay=0.1, maximize=True)),
+    (torch.optim.Adam, dict(lr=torch.tensor(0.01))),  # torch keeps its per-parameter loop
+    (torch.optim.AdamW, dict(lr=0.01, amsgrad=True)),
+    (torch.optim.Adamax, dict(lr=0.01, weight_decay=0.1)),
+    (torch.optim.Adadelta, dict(lr=0.5, weight_decay=0.1)),
+    (torch.optim.Adagrad, dict(lr=0.1, weight_decay=0.1, lr_decay=0.01)),
+    (torch.optim.ASGD, dict(lr=0.01, weight_decay=0.1)),
+    (torch.optim.NAdam, dict(lr=0.01, decoupled_weight_decay=True, weight_decay=0.1)),
+    (torch.optim.RAdam, dict(lr=0.01)),
+    (torch.optim.RMSprop, dict(lr=0.01, momentum=0.9, centered=True, weight_decay=0.1)),
+    (torch.optim.Rprop, dict(lr=0.01)),
+]
+
+
+@pytest.mark.parametrize(
+    "optimizer, options", _OPTIMIZERS, ids=lambda v: v.__name__ if isinstance(v, type) else ""
+)
+def test_optimizers_default_path_matches_cpu(optimizer, options, mode):
+    """Every optimizer left to choose its implementation (foreach=None, as users leave
+    it) steps tpu parameters as the CPU's per-parameter loop does."""
+    torch.manual_seed(0)
+    initial = [torch.randn(4, 3), torch.randn(4), torch.randn(2, 4)]
+    grads = [[torch.randn_like(p) for p in initial] for _ in range(3)]
+    results = []
+    for device in ("cpu", "tpu"):
+        params = [p.clone().to(device).requires_grad_() for p in initial]
+        opt = optimizer(params, foreach=False if device == "cpu" else None, **options)
+        for step in grads:
+            for p, g in zip(params, step):
+                p.grad = g.to(device)
+            opt.step()
+        results.append([p.detach().cpu() for p in params])
+    assert "fallback" not in torchtpu.metrics()
+    for ours, cpus in zip(results[1], results[0]):
+        torch.testing.assert_close(ours, cpus, rtol=1e-5, atol=1e-6)
+
+
+def test_optimizer_step_is_one_foreach_op_per_update():
+    """torch picks the _foreach_ path for tpu parameters: an SGD step over three
+    parameters dispatches one op, not one per parameter; clip_grad_norm_ computes the
+    norms of all gradients with one _foreach_norm."""
+    from torch.optim.optimizer import _default_to_fused_or_foreach
+
+    from torchtpu.dispatch import core
+
+    initial = [torch.randn(4, 3) for _ in range(3)]
+    params = [p.to("tpu").requires_grad_() for p in initial]
+    assert _default_to_fused_or_foreach(params, differentiable=False) == (False, True)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt = torch.optim.SGD(params, lr=0.5)
+    seen = []
+    dispatch = core.dispatch
+
+    def counting(func, args, kwargs):
+        seen.append(func)
+        return dispatch(func, args, kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torchtpu.tensor.hooks, "dispatch", counting)
+        opt.step()
+        stepped = list(seen)
+        total = torch.nn.utils.clip_grad_norm_(params, 1.0)
+    assert stepped == [torch.ops.aten._foreach_add_.List]
+    assert torch.ops.aten._foreach_norm.Scalar in seen[len(stepped) :]
+    for p, before in zip(params, initial):
+        torch.testing.assert_close(p.detach().cpu(), before - 0.5)
+    torch.testing.assert_close(total.cpu(), torch.tensor(6.0))

@@ -445,6 +445,27 @@ def register() -> None:
 
     torch.utils.dlpack.to_dlpack = torch.to_dlpack = to_dlpack
     serialization.register()
+    _use_foreach_kernels()
     memory.route_accelerator_functions()
     autocast.register()
     distributed.register()
+
+
+def _use_foreach_kernels() -> None:
+    """Let optimizers and ``clip_grad_norm_`` take their ``_foreach_`` path on tpu by
+    default, as on CUDA.
+
+    torch chooses it only for tensors whose type is listed in
+    ``torch.optim.optimizer._foreach_supported_types`` (and its twin in
+    ``torch.utils._foreach_utils``); a wrapper subclass is not, so every optimizer ran its
+    per-parameter loop: an Adam step of N parameters dispatched ~10·N ops instead of ~10.
+    Every ``_foreach_`` op has a lowering (ops/foreach.py); DTensor lists itself the same
+    way (torch/distributed/tensor/__init__.py)."""
+    from torch.optim import optimizer
+    from torch.utils import _foreach_utils
+
+    from torchtpu.tensor import TPUTensor
+
+    for supported in (optimizer._foreach_supported_types, _foreach_utils._foreach_supported_types):
+        if TPUTensor not in supported:
+            supported.append(TPUTensor)

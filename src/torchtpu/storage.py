@@ -70,6 +70,7 @@ class Storage:
         "device_index",
         "version",
         "_torch_storage",
+        "handle_holders",
         "__weakref__",
     )
 
@@ -81,6 +82,9 @@ class Storage:
         self.device_index = device_index
         self.version = 0
         self._torch_storage = None
+        # Weak references to the tensors whose torch.compile handle of this array is
+        # cached (compile/handles.py), or None.
+        self.handle_holders = None
         if tracing._active is not None:
             tracing._active.created.append(weakref.ref(self))
 
@@ -88,6 +92,19 @@ class Storage:
         """Replace the base array (after a write)."""
         self.array = array
         self.version += 1
+        if self.handle_holders is not None:
+            self._drop_handles()
+
+    def _drop_handles(self) -> None:
+        """Forget the cached handles of the array just replaced: held there, the old
+        array would outlive the write and could not be donated to the chunk that
+        computes the new one (Note [Donating dead inputs] in defer.py), a parameter's
+        buffer after each optimizer step of a torch.compile model."""
+        for ref in self.handle_holders:
+            t = ref()
+            if t is not None:
+                t.__dict__.pop("_handle_cache", None)
+        self.handle_holders = None
 
     def torch_storage(self) -> torch.UntypedStorage:
         """The torch storage tensors on this Storage report (Note [Storage addresses])."""

@@ -32,11 +32,11 @@ from torch._dynamo.backends import registry as _registry
 from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.backends.registry import register_backend
 
-from torchtpu import config, dtypes
+from torchtpu import config, dtypes, tracing
 from torchtpu.compile import handles
 from torchtpu.compile.program import Program, flatten_values, unflatten_values
 from torchtpu.compile.segments import Segmented, reads_values
-from torchtpu.dispatch import backward_errors
+from torchtpu.dispatch import backward_errors, defer, modes
 from torchtpu.interop import functions as jax_functions
 from torchtpu.runtime import jax
 
@@ -110,8 +110,19 @@ def _compile_graph(gm: torch.fx.GraphModule, example_inputs):
             else:
                 static.append(a)  # a size (SymInt at trace time): part of the signature
         args.clear()  # boxed calling convention: let the inputs be freed early
+        static = tuple(static)
         try:
-            outputs, layout = program(tuple(static), arrays)
+            # Note [Compiled graphs in DeferAndFuse chunks] (program.py)
+            queued = (
+                program.record(static, arrays)
+                if type(program) is Program and modes.is_deferring() and tracing._active is None
+                else None
+            )
+            if queued is not None:
+                outputs, layout = queued
+            else:
+                arrays = [defer.resolve(a, "compiled call") for a in arrays]
+                outputs, layout = program(static, arrays)
         except Exception as exc:
             if not backward_errors.in_backward():
                 raise

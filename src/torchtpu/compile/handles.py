@@ -25,6 +25,8 @@ Note [Why handles, not the subclass itself]
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from torch.utils._pytree import tree_map_only
 
@@ -56,20 +58,33 @@ def handle_of(t: TPUTensor) -> torch.Tensor:
     The handle is cached on ``t`` while it reads the same array through the same view
     (``t.data = ...`` may change the view): Dynamo's
     guards read ``x._handle`` for each argument and tell distinct tensors apart by
-    ``id()``, which a fresh, immediately freed handle would reuse.
+    ``id()``, which a fresh, immediately freed handle would reuse. A write to the
+    storage drops the cache (`Storage.set`), so the old array is not kept alive by it.
     """
     if t._inner is not None:
         return t._inner
     cached = t.__dict__.get("_handle_cache")
     if cached is not None and cached[0] is t._storage.array and cached[1] is t._meta:
         return cached[2]
-    from torchtpu.dispatch import defer
-    from torchtpu.dispatch.values import materialize
+    from torchtpu.dispatch import defer, modes
+    from torchtpu.dispatch.values import materialize, queued_value
 
-    if defer.pending_count():
-        defer.flush("compiled call")  # queued eager ops run before the compiled ones
-    handle = make_handle(materialize(t), t.dtype)
-    t._handle_cache = (t._storage.array, t._meta, handle)
+    if modes.is_deferring():
+        # The value, perhaps Pending: the graph's call joins the queue that computes it
+        # (Note [Compiled graphs in DeferAndFuse chunks] in program.py).
+        handle = make_handle(queued_value(t), t.dtype)
+    else:
+        if defer.pending_count():
+            defer.flush("compiled call")  # queued eager ops run before the compiled ones
+        handle = make_handle(materialize(t), t.dtype)
+    s = t._storage
+    t._handle_cache = (s.array, t._meta, handle)
+    holders = s.handle_holders
+    if holders is None:
+        holders = s.handle_holders = []
+    elif len(holders) >= 8:  # fresh views of a storage never written: forget the dead
+        holders[:] = [ref for ref in holders if ref() is not None]
+    holders.append(weakref.ref(t))  # the cache is dropped when s is written
     return handle
 
 

@@ -22,6 +22,19 @@ Note [Collectives in compiled programs]
     runs -- now fused with the computation around it. Every process must call the
     compiled function (the rule of docs/distributed.md); a program without
     collectives stays a program of this process alone.
+
+Note [Compiled graphs in DeferAndFuse chunks]
+    In DeferAndFuse a call of a signature that ran before is not run: it is recorded in
+    the queue as ONE op (`QueuedProgram`), whose function calls the jitted program, and
+    its outputs are Pending values like any op's. So a ``torch.compile`` model's forward
+    and backward graphs, the eager loss between them and the optimizer's ops after
+    them become one chunk per step -- one XLA program with the parameters' buffers
+    donated, as ``torchtpu.jit`` makes of a whole step -- instead of a wait at each
+    graph and a chunk for each stretch of eager ops between them. Inside the chunk the
+    program is a nested ``jax.jit``: its jaxpr is reused, its RNG seed and offset are
+    inputs of the op, its value checks flags of the op, filed as a recorded op's are.
+    A new signature runs at once (tracing it tells the outputs' shapes), as does a
+    program over a mesh (its arrays are blocks of global arrays).
 """
 
 from __future__ import annotations
@@ -79,6 +92,8 @@ class Program:
         )
         self._donate = donate
         self._signatures: dict = {}
+        self._avals: dict = {}  # signature -> (shape, dtype) of each output
+        self._queued: dict = {}  # signature -> its QueuedProgram
         self._last: _Traced | None = None
         self._mesh: tuple | None = None  # Note [Collectives in compiled programs]
         if mesh is not None:
@@ -96,6 +111,7 @@ class Program:
         self._mesh = devices
         self._jitted = _SPMD(self._traced, devices, self._donate)
         self._signatures.clear()
+        self._queued.clear()
 
     def __call__(self, static, arrays: list, device: int = 0):
         """Run on concrete ``arrays``; returns (output arrays, layout)."""
@@ -113,6 +129,7 @@ class Program:
             # A new signature: this call traced and compiled (or loaded from JAX's
             # persistent cache) a program. The seconds include its first run.
             traced = self._signatures[signature] = self._last
+            self._avals[signature] = [(tuple(o.shape), o.dtype) for o in outputs]
             metrics.count("compiles", self.kind)
             metrics.count("compile_seconds", self.kind, time.perf_counter() - start)
             metrics.event("compile", op=f"compiled {self.kind}", where=user_frame())
@@ -126,6 +143,47 @@ class Program:
         elif modes.is_debug():
             jax().block_until_ready(outputs)
         return outputs, traced.layout
+
+    def record(self, static, arrays: list, device: int = 0):
+        """DeferAndFuse: queue this call as one op of the next chunk (Note [Compiled
+        graphs in DeferAndFuse chunks]); ``arrays`` may be Pending. Returns (Pending
+        outputs, layout), or None for a call that must run now."""
+        if self._mesh is not None:
+            return None
+        signature = (static, tuple((a.shape, a.dtype) for a in arrays))
+        op = self._queued.get(signature)
+        if op is None:
+            traced = self._signatures.get(signature)
+            if traced is None:
+                return None
+            op = self._queued[signature] = QueuedProgram(
+                self, static, traced, self._avals[signature]
+            )
+        seed, offset = rng.peek(device)
+        where = user_frame() if op.check_infos else None  # a stack walk: only when needed
+        outputs = defer.record(op, [seed, offset, *arrays], op.avals, where, device)
+        rng.advance(device, op.draws)
+        metrics.count("compiled_calls", self.kind)
+        return outputs, op.layout
+
+
+class QueuedProgram(defer.FunctionOp):
+    """One signature of a Program as an op of a DeferAndFuse queue (Note [Compiled graphs
+    in DeferAndFuse chunks])."""
+
+    __slots__ = ("layout", "draws")
+
+    def __init__(self, program: Program, static, traced: _Traced, avals: list):
+        jitted = program._jitted
+
+        def run(seed, offset, *arrays):
+            outputs, flags = jitted(static, seed, offset, *arrays)
+            return (*outputs, *flags)
+
+        # Inside a chunk's trace (a nested jit) or alone, the program compiled already
+        # is what runs.
+        super().__init__(f"a compiled {program.kind}", run, run, avals, traced.check_infos)
+        self.layout, self.draws = traced.layout, traced.draws
 
 
 class _SPMD:

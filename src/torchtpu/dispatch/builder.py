@@ -39,14 +39,13 @@ Note [Lowering results in Debug mode]
 
 from __future__ import annotations
 
-import itertools
-
 import torch
 from torch._prims_common import elementwise_dtypes
 
 from torchtpu import dtypes, rng
 from torchtpu import matmul_precision as _precision
 from torchtpu.dispatch import meta as oracle
+from torchtpu.dispatch.defer import new_uid
 from torchtpu.dispatch.pending import Pending
 from torchtpu.dispatch.schema import Kind, SchemaInfo, info
 from torchtpu.dispatch.signature import SCALAR, SCALAR_LIST, TENSOR, TENSOR_LIST, Call, plain
@@ -54,8 +53,6 @@ from torchtpu.dispatch.values import UNKNOWN, OutMeta, contiguous
 from torchtpu.ops import value_checks, view_chains
 from torchtpu.ops.util import cast
 from torchtpu.runtime import jax
-
-_UIDS = itertools.count()
 
 
 class Plan:
@@ -261,7 +258,7 @@ def build(op, lowering, info_: SchemaInfo, rules, values: list, call: Call) -> P
     if any(o is UNKNOWN for o in outputs):
         _fill_from_eval_shape(fn, plan, call, outputs)
     plan.fn = _named(fn, str(op))
-    plan.uid = next(_UIDS)
+    plan.uid = new_uid()
     plan.traced = False
     plan.reads_arrays = n_arrays > 0
     plan.call = jax().jit(plan.fn)

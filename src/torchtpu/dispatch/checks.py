@@ -44,9 +44,9 @@ def defer(flags, infos, where: str) -> None:
 
 def raise_now(flags, infos, where: str) -> None:
     """Check an op's flags at once (Debug mode)."""
-    from torchtpu.runtime import jax
+    from torchtpu.runtime import transfer
 
-    values = jax().device_get(list(flags))
+    values = transfer.read_all(list(flags))
     for value, (exc_type, message, op) in zip(values, infos):
         if bool(value):
             raise _error(exc_type, message, op, where)
@@ -56,11 +56,11 @@ def raise_pending() -> None:
     """Raise the first failed pending check, if any; clear them all."""
     if not _pending:
         return
-    from torchtpu.runtime import jax
+    from torchtpu.runtime import transfer
 
     pending = list(_pending)
     _pending.clear()
-    values = jax().device_get([entry[0] for entry in pending])
+    values = transfer.read_all([entry[0] for entry in pending])
     for value, (_, exc_type, message, op, where) in zip(values, pending):
         if bool(value):
             raise _error(exc_type, message, op, where)

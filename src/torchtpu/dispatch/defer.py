@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import sys
 import threading
 import time
@@ -84,6 +85,36 @@ class _ThreadQueues(threading.local):
 
 _threads = _ThreadQueues()
 _lock = threading.RLock()
+_UIDS = itertools.count()
+
+
+def new_uid() -> int:
+    """A number naming one op in chunk keys (Note [Chunk keys]): a plan's, or a
+    `FunctionOp`'s."""
+    return next(_UIDS)
+
+
+class FunctionOp:
+    """A JAX function recorded as one op of a queue, for what is not an aten op with a
+    plan (a compiled graph's call, compile/program.py; the read of a view of a pending
+    value, values.py): the attributes of a Plan the queue reads. ``fn`` returns its
+    outputs, then the flags of its value checks (``check_infos``)."""
+
+    __slots__ = (
+        "op", "uid", "fn", "call", "avals", "outputs", "written_slots", "check_infos",
+        "compiled", "names",
+    )  # fmt: skip
+
+    def __init__(self, name: str, fn, call, avals: list, check_infos=()):
+        self.op, self.uid = name, new_uid()
+        self.fn = fn  # called inside a chunk's trace
+        self.call = call  # called alone: a queue of this one op (Note [A chunk of one op])
+        self.avals = avals  # (shape, dtype) of each output
+        self.outputs = avals
+        self.written_slots = ()
+        self.check_infos = list(check_infos)
+        self.compiled = True  # ``call`` runs programs compiled (and counted) elsewhere
+        self.names = None  # no schema (see _describe_change)
 
 
 def _queue(device: int) -> _Queue:
@@ -245,6 +276,16 @@ def flush_pending(pending: Pending, reason: str) -> None:
     """Run the queue that will produce ``pending``, whichever thread recorded it."""
     if pending.queue is not None:
         _flush(pending.queue, reason)
+
+
+def resolve(value, reason: str):
+    """``value`` as a concrete array: a Pending one after its queue ran (raising its
+    chunk's error if it failed); anything else as it is."""
+    if type(value) is not Pending:
+        return value
+    if not value.node_done():
+        flush_pending(value, reason)
+    return value.resolved()
 
 
 def _flush(q: _Queue, reason: str) -> None:
@@ -540,6 +581,8 @@ def _describe_change(old, new) -> str:
             continue
         if a.op != b.op:
             return f"op #{position + 1} of the chunk: {a.op} -> {b.op}"
+        if b.names is None:  # a FunctionOp
+            return f"op #{position + 1} of the chunk ({b.op}): its inputs' shapes or dtypes"
         return f"op #{position + 1} of the chunk ({b.op}): " + describe_change(
             b.names, a.key, b.key
         )

@@ -91,6 +91,10 @@ def is_debug() -> bool:
     return current() is EagerMode.DEFER_NEVER_AND_LAUNCH_BLOCKING
 
 
+def is_deferring() -> bool:
+    return current() is EagerMode.DEFER_AND_FUSE
+
+
 class set_eager_mode:
     """Select the eager mode; as a context manager, restore the previous one on exit.
 

@@ -101,11 +101,26 @@ def materialize(t: TPUTensor):
     base = _base(s)
     if not t._chain and base is not None:
         return base
-    key = (t._meta, None if base is not None else (s.shape, s.dtype))
+    reader = _reader(t, base is None)
+    if base is None:
+        if s.device_index != 0:
+            from torchtpu.runtime import device as jax_device
+
+            with jax().default_device(jax_device(s.device_index)):
+                return reader()
+        return reader()
+    return reader(base)
+
+
+def _reader(t: TPUTensor, uninitialised: bool):
+    """The jitted read of ``t``'s view from its storage's base (of zeros, for an
+    uninitialised storage), compiled once per layout."""
+    s = t._storage
+    key = (t._meta, (s.shape, s.dtype) if uninitialised else None)
     reader = _READERS.lookup(key)
     if reader is None:
         chain = t._chain
-        if base is None:
+        if uninitialised:
             shape, dtype = s.shape, dtypes.to_jax(s.dtype)
             jnp = jax().numpy
 
@@ -120,14 +135,37 @@ def materialize(t: TPUTensor):
         reader = jax().jit(read)
         _READERS.insert(key, reader)
         metrics.count("compiles", "read")
-    if base is None:
-        if s.device_index != 0:
-            from torchtpu.runtime import device as jax_device
+    return reader
 
-            with jax().default_device(jax_device(s.device_index)):
-                return reader()
-        return reader()
-    return reader(base)
+
+_READ_OPS = metrics.LRUCache("read_op_cache", lambda: config.op_cache_size)
+
+
+def queued_value(t: TPUTensor):
+    """``t``'s value as an argument of a function DeferAndFuse records (a compiled
+    graph's call): its base array, or the Pending value the queue will compute, and
+    for a view of such a value the read of the view, recorded in that queue -- nothing
+    runs now. Otherwise as `materialize`."""
+    s = t._storage
+    base = s.array
+    if type(base) is Pending:
+        if base.node_done():
+            base = s.array = base.resolved()
+        elif t._chain:
+            op = _READ_OPS.lookup(t._meta)
+            if op is None:
+                reader = _reader(t, False)
+
+                def read(base, reader=reader):
+                    return (reader(base),)
+
+                aval = (tuple(t.shape), dtypes.to_jax(t.dtype))
+                op = defer.FunctionOp("a view's read", read, read, [aval])
+                _READ_OPS.insert(t._meta, op)
+            return defer.record(op, [base], op.avals, None, s.device_index)[0]
+    if not t._chain and base is not None:
+        return base
+    return materialize(t)
 
 
 # Note [Views read on the host]
