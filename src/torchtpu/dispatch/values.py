@@ -152,7 +152,8 @@ def queued_value(t: TPUTensor):
         if base.node_done():
             base = s.array = base.resolved()
         elif t._chain:
-            op = _READ_OPS.lookup(t._meta)
+            key = (t._meta, s.shape)  # a chunk's key names ops, not the shapes they read
+            op = _READ_OPS.lookup(key)
             if op is None:
                 reader = _reader(t, False)
 
@@ -161,7 +162,7 @@ def queued_value(t: TPUTensor):
 
                 aval = (tuple(t.shape), dtypes.to_jax(t.dtype))
                 op = defer.FunctionOp("a view's read", read, read, [aval])
-                _READ_OPS.insert(t._meta, op)
+                _READ_OPS.insert(key, op)
             return defer.record(op, [base], op.avals, None, s.device_index)[0]
     if not t._chain and base is not None:
         return base
