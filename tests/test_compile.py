@@ -6,6 +6,7 @@ import importlib.metadata
 import os
 import subprocess
 import sys
+import weakref
 
 import pytest
 import torch
@@ -184,6 +185,24 @@ def test_compiled_training_in_defer_mode_is_one_chunk_per_step(name):
     assert metrics["compiled_calls"]["graph"] == 4  # forward and backward, each step
     assert metrics["chunk_cache"] == {"hit": 2}  # nothing compiled
     assert "compiles" not in metrics and "fallback" not in metrics
+
+
+def test_queued_step_lets_go_of_the_replaced_parameters():
+    """Once the optimizer replaced a parameter's array, the handle torch.compile cached
+    of it is dropped by the write, so the chunk donates the old buffer (Note [Donating
+    dead inputs])."""
+    model = nn.Linear(64, 64).to("tpu")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    compiled = torch.compile(model, backend="tpu")
+    x = torch.randn(8, 64).to("tpu")
+    with torchtpu.set_eager_mode("defer"):
+        for _ in range(3):
+            old = weakref.ref(torchtpu.dispatch.values.materialize(model.weight))
+            opt.zero_grad()
+            compiled(x).square().mean().backward()
+            opt.step()
+            torchtpu.sync()
+    assert old() is None or old().is_deleted()  # freed, or its buffer donated
 
 
 def _linear_then_cross_entropy(w, x, target):

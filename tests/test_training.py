@@ -199,13 +199,23 @@ def test_fused_adam_matches_cpu(optimizer, amsgrad, mode):
     torch.manual_seed(0)
     initial = [torch.randn(3, 4), torch.randn(5)]
     grads = [[torch.randn_like(p) for p in initial] for _ in range(3)]
+    options = dict(lr=torch.tensor(0.01), amsgrad=amsgrad, maximize=True, weight_decay=0.1)
+
+    def make_opt(params, device):
+        return optimizer(
+            params, fused=device == "tpu", foreach=False if device == "cpu" else None, **options
+        )
+
+    _assert_steps_like_cpu(initial, grads, make_opt, mode)
+
+
+def _assert_steps_like_cpu(initial, grads, make_opt, mode="strict"):
+    """Step copies of ``initial`` with ``grads`` on the CPU and (in ``mode``) on tpu, with
+    ``make_opt(params, device)``: the parameters end equal, with no CPU fallback."""
     results = []
     for device in ("cpu", "tpu"):
         params = [p.clone().to(device).requires_grad_() for p in initial]
-        options = dict(lr=torch.tensor(0.01), amsgrad=amsgrad, maximize=True, weight_decay=0.1)
-        opt = optimizer(
-            params, fused=device == "tpu", foreach=False if device == "cpu" else None, **options
-        )
+        opt = make_opt(params, device)
         torchtpu.reset_metrics()
         with torch.tpu.set_eager_mode(mode if device == "tpu" else "strict"):
             for step in grads:
@@ -214,7 +224,7 @@ def test_fused_adam_matches_cpu(optimizer, amsgrad, mode):
                 opt.step()
         results.append([p.detach().cpu() for p in params])
     assert "fallback" not in torchtpu.metrics()
-    for ours, cpus in zip(*results):
+    for ours, cpus in zip(results[1], results[0]):
         torch.testing.assert_close(ours, cpus, rtol=1e-5, atol=1e-6)
 
 
@@ -272,18 +282,14 @@ def test_optimizers_default_path_matches_cpu(optimizer, options, mode):
     torch.manual_seed(0)
     initial = [torch.randn(4, 3), torch.randn(4), torch.randn(2, 4)]
     grads = [[torch.randn_like(p) for p in initial] for _ in range(3)]
-    results = []
-    for device in ("cpu", "tpu"):
-        params = [p.clone().to(device).requires_grad_() for p in initial]
-        opt = optimizer(params, foreach=False if device == "cpu" else None, **options)
-        for step in grads:
-            for p, g in zip(params, step):
-                p.grad = g.to(device)
-            opt.step()
-        results.append([p.detach().cpu() for p in params])
-    assert "fallback" not in torchtpu.metrics()
-    for ours, cpus in zip(results[1], results[0]):
-        torch.testing.assert_close(ours, cpus, rtol=1e-5, atol=1e-6)
+    _assert_steps_like_cpu(
+        initial,
+        grads,
+        lambda params, device: optimizer(
+            params, foreach=False if device == "cpu" else None, **options
+        ),
+        mode,
+    )
 
 
 def test_optimizer_step_is_one_foreach_op_per_update():

@@ -89,9 +89,7 @@ _READERS = metrics.LRUCache("read_cache", lambda: config.op_cache_size)
 def _base(s: Storage):
     """The storage's current base array (a pending one computed first), or None."""
     if type(s.array) is Pending:
-        if not s.array.node_done():
-            defer.flush_pending(s.array, "value read")
-        s.array = s.array.resolved()
+        s.array = defer.resolve(s.array, "value read")
     return s.array
 
 
