@@ -12,8 +12,10 @@ runtime can cost), Strict, Debug, and DeferAndFuse *recording* (the op queued, i
 flush not counted). Then whole workloads: one small elementwise op (64x64 add: dispatch dominates), an 11-op
 elementwise chain at 64x64 and 1024x1024, the MLP training step (512->1024->10, SGD)
 at batch 8, 64 and 1024, and a small transformer training step (one pre-norm block,
-d=64, 4 heads, sequence 32, batch 8, SGD). Then the first step of the MLP in a fresh
-process, cold and warm (JAX's persistent compilation cache). torch's CPU baseline is
+d=64, 4 heads, sequence 32, batch 8, SGD). And the first step of the MLP in a fresh
+process, cold and warm (JAX's persistent compilation cache): that table comes first,
+while this process has not opened the device (a TPU admits one process at a time).
+torch's CPU baseline is
 pinned to one thread (its 2-thread mode is erratic on a shared 2-core machine).
 """
 
@@ -448,12 +450,14 @@ def runtime_line() -> str:
 
 
 def main():
-    print(runtime_line())
     print(f"machine: {os.cpu_count()} cores, {platform.processor() or platform.machine()}")
     quiet.check_before_start()
+    # First, while this process has not opened the device: the first-step table runs
+    # fresh processes, and a TPU admits one process at a time.
+    first_step()
+    print(runtime_line())
     per_op()
     side_by_side()
-    first_step()
 
 
 if __name__ == "__main__":

@@ -8,12 +8,36 @@ import pytest
 import torch
 
 import torchtpu
+from torchtpu.observe import compare
 
 # The suite is hermetic: compiled programs are not read from (nor written to) the
 # user's persistent compilation cache, here and in the subprocesses tests start.
-# (Set before the JAX runtime starts.)
+# (Set before the JAX runtime starts.) On a lent TPU, where every compile costs
+# 0.1-0.5 s, TORCHTPU_TEST_COMPILE_CACHE names a cache the shards of one run share
+# (tests/on_device.py).
+_shared_cache = os.environ.get("TORCHTPU_TEST_COMPILE_CACHE")
 os.environ["TORCHTPU_COMPILE_CACHE_DIR"] = "0"
-torchtpu.config.compile_cache_dir = None
+torchtpu.config.compile_cache_dir = _shared_cache or None
+
+
+def _start_on_accelerator() -> None:
+    """Where JAX may find a TPU (libtpu is installed and JAX_PLATFORMS allows it), start
+    its backend before the first test: a test recording every warning then does not see
+    JAX's start-up warnings. One process holds a TPU at a time, so the subprocesses
+    tests start run on the CPU backend (JAX_PLATFORMS=cpu), this process keeping the
+    chip."""
+    import importlib.util
+
+    platforms = os.environ.get("JAX_PLATFORMS", "")
+    if importlib.util.find_spec("libtpu") is None or (platforms and "tpu" not in platforms):
+        return
+    from torchtpu.runtime import platform
+
+    if platform() != "cpu":
+        os.environ["JAX_PLATFORMS"] = "cpu"
+
+
+_start_on_accelerator()
 
 MODES = ["strict", "debug", "defer"]
 
@@ -69,6 +93,7 @@ def assert_same(actual, expected, *, rtol=None, atol=None, check_stride=False):
             assert actual.stride() == expected.stride(), (
                 f"stride {actual.stride()} != {expected.stride()}"
             )
+        rtol, atol = compare.tolerance(expected.dtype, rtol, atol)  # per platform
         torch.testing.assert_close(
             actual.detach().cpu(), expected.detach(), rtol=rtol, atol=atol, equal_nan=True
         )

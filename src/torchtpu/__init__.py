@@ -19,6 +19,7 @@ import torch
 
 from torchtpu import config, device
 from torchtpu.dispatch.fallback import TPUFallbackWarning
+from torchtpu.dispatch.host import TPUHostComputeWarning
 from torchtpu.dispatch.modes import EagerMode, set_eager_mode
 from torchtpu.dispatch.synchronize import sync
 from torchtpu.matmul_precision import Precision, precision
@@ -40,6 +41,7 @@ __all__ = [
     "Precision",
     "TPUCompileTimeWarning",
     "TPUFallbackWarning",
+    "TPUHostComputeWarning",
     "TPUFlushWarning",
     "TPUPerformanceWarning",
     "TPURecompileWarning",

@@ -110,3 +110,13 @@ distributed_coordinator: str | None = os.environ.get("TORCHTPU_DIST_COORDINATOR"
 #: costs three store requests (a set, a multi_get, a delete) per collective; off skips
 #: them (TORCHTPU_DIST_CHECK=0).
 distributed_check: bool = _env_flag("TORCHTPU_DIST_CHECK", True)
+
+#: A directory holding the ``libtpu`` package, for checking on a machine without a TPU
+#: what XLA:TPU makes of torchtpu's programs (conformance/xla_tpu.py). Kept off
+#: ``sys.path`` on purpose: with libtpu importable, JAX tries to start a TPU backend.
+libtpu_dir: str | None = os.environ.get("TORCHTPU_LIBTPU_DIR") or None
+
+#: Which platform policy decides what the device's compiler is given (runtime/policy.py):
+#: "auto" (the device's own: on a TPU, float64 and complex128 are kept and computed on
+#: the host), "tpu" (the TPU's, on any backend: for tests on the CPU), "none".
+platform_policy: str = os.environ.get("TORCHTPU_PLATFORM_POLICY", "auto").strip().lower()

@@ -1,7 +1,13 @@
 """Matmul precision: follows ``torch.get_float32_matmul_precision()``.
 
-torch's "highest" (its default) maps to XLA's HIGHEST, "high" to HIGH and "medium" to
-DEFAULT (one bfloat16 pass on a TPU). ``torch.tpu.precision(...)`` overrides it::
+torch's "highest" (its default) maps to XLA's HIGHEST, "high" to HIGH (three bfloat16
+passes on a TPU) and "medium" to DEFAULT (one bfloat16 pass). The switches GPU users set
+map where torch maps them: ``torch.backends.cuda.matmul.allow_tf32 = True`` is "high";
+the newer ``torch.backends.cuda.matmul.fp32_precision`` / ``torch.backends.fp32_precision``
+("ieee", "tf32", "bf16") are "highest", "high" and "medium". Convolutions follow the
+same setting (cuDNN's switches are not mapped: ``cudnn.allow_tf32`` is on by default,
+and the CPU, which a tpu result is checked against, computes convolutions exactly).
+``torch.tpu.precision(...)`` overrides it::
 
     with torch.tpu.precision("medium"):
         y = model(x)          # bfloat16 matmul passes on a TPU
@@ -39,7 +45,18 @@ def current() -> Precision:
     """The precision matmuls and convolutions use now."""
     if _override is not None:
         return _override
-    return Precision(torch.get_float32_matmul_precision())
+    try:
+        return Precision(torch.get_float32_matmul_precision())
+    except RuntimeError:
+        # torch refuses to read the legacy setting once the fp32_precision API was used
+        setting = _fp32_precision("cuda", "matmul")
+        if setting == "none":
+            setting = _fp32_precision("generic", "all")
+        return _FP32_PRECISION.get(setting, Precision.HIGHEST)
+
+
+_fp32_precision = torch._C._get_fp32_precision_getter
+_FP32_PRECISION = {"ieee": Precision.HIGHEST, "tf32": Precision.HIGH, "bf16": Precision.MEDIUM}
 
 
 def lax_precision(mode: Precision):

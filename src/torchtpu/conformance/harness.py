@@ -85,6 +85,11 @@ class Result:
     fallbacks: tuple[str, ...] = ()
     stale: str = ""  # why the case's expectations entry is no longer needed, if it is not
     by_float64: bool = False  # passed as judged against float64 (see compare.JUDGED_BY_FLOAT64)
+    # what XLA:TPU made of the case's programs, where they were compiled for it too
+    # (xla_tpu.py): "program: outcome: detail" for each one it refused or aborted on
+    tpu_compile: tuple[str, ...] = ()
+    compiled_for_tpu: bool = False  # whether they were
+    routes: tuple[str, ...] = ()  # the platform policy's routes taken (platform.py)
 
 
 #: The named selections of cases: scope -> its parts, each (cases() arguments, samples
@@ -354,6 +359,7 @@ def run(case: Case, tolerance=(None, None), max_samples: int | None = None) -> R
             checks._pending.clear()
     result.samples = samples
     result.fallbacks = tuple(sorted(torchtpu.metrics().get("fallback", {})))
+    result.routes = tuple(sorted(torchtpu.metrics().get("host_ops", {})))
     result.by_float64 = judged and result.outcome == "pass"
     return result
 

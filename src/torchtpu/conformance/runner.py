@@ -50,11 +50,18 @@ def run_cases(
     jobs: int = 1,
     timeout: float = 900.0,
     progress: bool = True,
+    compile_for_tpu: bool = False,
+    on_group=None,
+    deadline: float | None = None,
 ) -> list[harness.Result]:
     """Results of ``(case, max_samples)`` pairs, in their order.
 
     ``jobs`` worker processes run one OpInfo entry's cases at a time (0: run here, with
-    no isolation); an entry taking longer than ``timeout`` seconds is stopped.
+    no isolation); an entry taking longer than ``timeout`` seconds is stopped. With
+    ``compile_for_tpu`` every program is also compiled for a TPU (xla_tpu.py);
+    ``on_group(results)`` sees each entry's results as they come (a resumable run
+    writes them down). After ``deadline`` (``time.monotonic()``) no entry is started;
+    the cases of those not run are None.
     """
     groups = collections.defaultdict(list)
     for index, (case, cap) in enumerate(selected):
@@ -67,15 +74,36 @@ def run_cases(
         for (index, _, _), result in zip(group, group_results):
             results[index] = result
             _report_progress(result, progress)
+        if on_group is not None:
+            on_group(group_results)
         previous, done = done, done + len(group)
         if progress and previous // 100 != done // 100:
             print(f"  {done}/{len(selected)} cases", file=sys.stderr, flush=True)
 
     if jobs == 0:
-        for group in groups.values():
-            record(group, [run_case(case, cap) for _, case, cap in group])
+        compiler = None
+        if compile_for_tpu:
+            from torchtpu.conformance import xla_tpu
+
+            compiler = xla_tpu.Compiler()
+        try:
+            for group in groups.values():
+                if deadline is not None and time.monotonic() > deadline:
+                    break
+                record(
+                    group,
+                    [
+                        run_case(case, cap)
+                        if compiler is None
+                        else run_case_compiled_for_tpu(case, cap, compiler)
+                        for _, case, cap in group
+                    ],
+                )
+        finally:
+            if compiler is not None:
+                compiler.close()
     else:
-        _Pool(jobs, timeout).run(list(groups.values()), record)
+        _Pool(jobs, timeout, compile_for_tpu).run(list(groups.values()), record, deadline)
     return results
 
 
@@ -90,19 +118,44 @@ def _report_progress(result: harness.Result, progress: bool) -> None:
         )
 
 
-def _worker(conn) -> None:
+def run_case_compiled_for_tpu(case, max_samples, compiler) -> harness.Result:
+    """`run_case`, with every program it builds also compiled for a TPU (xla_tpu.py)."""
+    from torchtpu.conformance import xla_tpu
+
+    with xla_tpu.watch(compiler) as verdicts:
+        result = run_case(case, max_samples)
+    result.tpu_compile = tuple(
+        f"{v.name}: {v.outcome}: {v.detail[:300]}" for v in verdicts if v.outcome != "ok"
+    )
+    result.compiled_for_tpu = True
+    return result
+
+
+def _worker(conn, compile_for_tpu: bool) -> None:
     """A worker's loop: receive a group of (index, case, cap), send back its results."""
-    while True:
-        group = conn.recv()
-        if group is None:
-            return
-        conn.send([run_case(case, cap) for _, case, cap in group])
+    compiler = None
+    if compile_for_tpu:
+        from torchtpu.conformance import xla_tpu
+
+        compiler = xla_tpu.Compiler()
+    try:
+        while True:
+            group = conn.recv()
+            if group is None:
+                return
+            if compiler is None:
+                conn.send([run_case(case, cap) for _, case, cap in group])
+            else:
+                conn.send([run_case_compiled_for_tpu(c, cap, compiler) for _, c, cap in group])
+    finally:
+        if compiler is not None:
+            compiler.close()
 
 
 class _Worker:
-    def __init__(self, context):
+    def __init__(self, context, compile_for_tpu: bool = False):
         self.conn, child = context.Pipe()
-        self.process = context.Process(target=_worker, args=(child,), daemon=True)
+        self.process = context.Process(target=_worker, args=(child, compile_for_tpu), daemon=True)
         self.process.start()
         child.close()
         self.group = None
@@ -122,15 +175,19 @@ class _Worker:
 
 
 class _Pool:
-    def __init__(self, jobs: int, timeout: float):
+    def __init__(self, jobs: int, timeout: float, compile_for_tpu: bool = False):
         # spawn, not fork: the parent has started JAX's and torch's threads.
         self.context = multiprocessing.get_context("spawn")
         self.jobs = jobs
         self.timeout = timeout
+        self.compile_for_tpu = compile_for_tpu
 
-    def run(self, groups, record) -> None:
+    def _new_worker(self) -> _Worker:
+        return _Worker(self.context, self.compile_for_tpu)
+
+    def run(self, groups, record, deadline: float | None = None) -> None:
         pending = collections.deque(groups)
-        workers = [_Worker(self.context) for _ in range(min(self.jobs, len(pending)))]
+        workers = [self._new_worker() for _ in range(min(self.jobs, len(pending)))]
         try:
             for w in workers:
                 w.give(pending.popleft())
@@ -158,11 +215,13 @@ class _Pool:
                         record(w.group, [_lost(case, failure) for _, case, _ in w.group])
                         w.group = None
                         w.stop()
-                        w = workers[i] = _Worker(self.context)
+                        w = workers[i] = self._new_worker()
                     elif w.group is None and w.groups_run >= GROUPS_PER_WORKER and pending:
                         w.conn.send(None)
                         w.stop()
-                        w = workers[i] = _Worker(self.context)
+                        w = workers[i] = self._new_worker()
+                    if deadline is not None and time.monotonic() > deadline:
+                        pending.clear()
                     if w.group is None and pending:
                         w.give(pending.popleft())
         finally:

@@ -47,12 +47,13 @@ from torchtpu import matmul_precision as _precision
 from torchtpu.dispatch import meta as oracle
 from torchtpu.dispatch.defer import new_uid
 from torchtpu.dispatch.pending import Pending
+from torchtpu.dispatch.scalars import as_arrays
 from torchtpu.dispatch.schema import Kind, SchemaInfo, info
 from torchtpu.dispatch.signature import SCALAR, SCALAR_LIST, TENSOR, TENSOR_LIST, Call, plain
 from torchtpu.dispatch.values import UNKNOWN, OutMeta, contiguous
 from torchtpu.ops import value_checks, view_chains
 from torchtpu.ops.util import cast
-from torchtpu.runtime import jax
+from torchtpu.runtime import jax, policy
 
 
 class Plan:
@@ -78,6 +79,7 @@ class Plan:
         "names",
         "mismatch",
         "fast",
+        "host_rule",
     )
 
 
@@ -269,7 +271,29 @@ def build(op, lowering, info_: SchemaInfo, rules, values: list, call: Call) -> P
     ]
     plan.avals += [(call.storages[s].shape, dtypes.to_jax(call.storages[s].dtype)) for s in written]
     plan.single = returns[0][1] if len(returns) == 1 and returns[0][0] == "tensor" else None
+    plan.host_rule = _host_rule(plan, call, outputs) if policy.active() else None
     return plan
+
+
+def _host_rule(plan, call, outputs):
+    """The platform policy's rule that keeps this call off the device, or None: a
+    dtype the host keeps among its storages or results, else a rule its program
+    breaks (runtime/policy.py; traced once, abstractly, only where the policy applies)."""
+    kinds = {s.dtype for s in call.storages} | {o.dtype for o in outputs if o is not None}
+    rule = policy.rule_for_dtypes(kinds)
+    if rule is not None:
+        return rule
+    args = [
+        jax().ShapeDtypeStruct(a.shape, a.dtype) if type(a) is Pending else a for a in call.arrays
+    ]
+    args += as_arrays(call.scalars)  # as the plan is called (Note [Numbers as arrays])
+    if plan.random:
+        args += [0, 0]
+    try:
+        program = jax().make_jaxpr(plan.fn)(*args)
+    except Exception:  # bad input the lowering refuses: raised, as torch's, when it runs
+        return None
+    return policy.broken_rule(program)
 
 
 def _named(fn, name: str):

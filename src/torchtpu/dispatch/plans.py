@@ -15,7 +15,7 @@ import torch
 
 from torchtpu import config, dtypes, rng, tracing
 from torchtpu import matmul_precision as _precision
-from torchtpu.dispatch import checks, defer, modes
+from torchtpu.dispatch import checks, defer, host, modes
 from torchtpu.dispatch import meta as oracle
 from torchtpu.dispatch.builder import Plan, build, flatten_result
 from torchtpu.dispatch.modes import EagerMode
@@ -32,7 +32,7 @@ from torchtpu.dispatch.values import (
 )
 from torchtpu.observe import metrics, perf_warnings
 from torchtpu.observe.locations import add_context, user_frame
-from torchtpu.runtime import current_index, jax
+from torchtpu.runtime import current_index, jax, policy
 from torchtpu.storage import Storage
 from torchtpu.tensor import TPUTensor, tpu_device
 
@@ -126,10 +126,14 @@ def lowered_handler(entry: Entry):
                 t._storage, t._chain, t._meta = Storage(value, shape, strides, dtype, 0), (), meta
                 return t
         try:
-            if mode is _DEFER:
-                outputs, bases = _record(plan, call, device)
-            else:
+            if mode is not _DEFER:
                 outputs, bases = _execute(plan, call, device, mode is _DEBUG)
+            elif plan.host_rule is None:
+                outputs, bases = _record(plan, call, device)
+            else:  # run on the host now, from the queue's values (dispatch/host.py)
+                defer.flush("host op")
+                call = scan(op, op_rules, values)
+                outputs, bases = _execute(plan, call, device, False)
         except Exception as exc:
             raise add_context(_as_torch_error(exc, op, info, values), op, values) from None
         if bases:
@@ -168,12 +172,17 @@ def _miss(entry: Entry, values, key, mode) -> Plan:
 
 def _execute(plan: Plan, call, device: int, debug: bool):
     """Strict and Debug: call the plan's jitted function now (asynchronously)."""
-    # Note [Numbers as arrays]; in a trace they are the program's constants
-    scalars = call.scalars if tracing._active is not None else as_arrays(call.scalars)
+    # Note [Numbers as arrays]; in a trace they are the program's constants, and on the
+    # host numbers (a float64's 1e300 must not pass through the device on the way)
+    host_run = plan.host_rule is not None
+    traced = tracing._active is not None
+    scalars = call.scalars if traced or host_run else as_arrays(call.scalars)
     args = call.arrays + scalars
     if plan.random:
         args.extend(rng.take(device))
-    if tracing._active is not None:
+    if traced:
+        if host_run:
+            raise host.refused(plan)
         flat = _call(plan, args, device)  # traced into the program: compiles nothing
     elif not plan.compiled:
         start = time.perf_counter()
@@ -182,7 +191,7 @@ def _execute(plan: Plan, call, device: int, debug: bool):
         _note_fast(plan)
         metrics.count("compiles", "op")
         metrics.count("compile_seconds", "op", time.perf_counter() - start)
-    elif device and not plan.reads_arrays:
+    elif host_run or (device and not plan.reads_arrays):
         flat = _call(plan, args, device)
     else:
         flat = plan.call(*args)
@@ -213,10 +222,13 @@ def _note_fast(plan: Plan) -> None:
         and not plan.random
         and not plan.check_infos
         and not plan.written_slots
+        and plan.host_rule is None
     )
 
 
 def _call(plan: Plan, args, device: int):
+    if plan.host_rule is not None:
+        return host.call(plan, args, device)
     if device != 0 and not plan.reads_arrays:
         # Nothing to infer a device from (a factory, an uninitialised storage): run on
         # the op's device rather than JAX's default.
@@ -325,8 +337,18 @@ def _run_dynamic(entry: Entry, values: list):
         return value
 
     metrics.count("dynamic_shape", str(op))
+    args = [concrete(v) for v in values]
+    kinds = {v.dtype for v in values if isinstance(v, TPUTensor)}
+    rule = policy.rule_for_dtypes(kinds) or policy.rule_for_op(op)
     try:
-        result = lowering.fn(*[concrete(v) for v in values])
+        if rule is None:
+            result = lowering.fn(*args)
+        else:
+            # The platform policy keeps this op off the device (runtime/policy.py): it
+            # runs on the host; `wrap` moves results of device dtypes back.
+            host.note(op, rule)
+            with host.on_host():
+                result = lowering.fn(*host.to_host(args))
     except Exception as exc:
         raise add_context(exc, op, values) from None
     device = call.device if call.device is not None else _factory_device(info, values)

@@ -11,12 +11,17 @@ Note [Numbers as arrays]
     the op's other inputs) -- so a function traces the same as with the number.
     Floats are keyed by their bits (``-0.0`` is not ``0.0``; every NaN its own), and
     the table is emptied when it grows past ``_LIMIT`` values (a loop over many
-    distinct numbers).
+    distinct numbers). Where the platform policy keeps complex128 off the device (a TPU:
+    runtime/policy.py), a complex number is made complex64, the widest complex dtype an
+    op computes in there; ops on complex128 run on the host, from the numbers themselves.
 """
 
 from __future__ import annotations
 
-from torchtpu.runtime import jax
+import numpy as np
+import torch
+
+from torchtpu.runtime import jax, policy
 
 _ARRAYS: dict = {}
 _LIMIT = 4096
@@ -40,6 +45,8 @@ def as_array(number):
         return number
     array = _ARRAYS.get(key)
     if array is None:
+        if kind is complex and torch.complex128 in policy.host_dtypes():
+            number = np.complex64(number)
         try:
             array = jax().device_put(number)
         except OverflowError:  # an int beyond int64: JAX's own call raises its error

@@ -19,7 +19,7 @@ from torchtpu.dispatch.checks import to_host
 from torchtpu.dispatch.pending import Pending
 from torchtpu.observe import metrics
 from torchtpu.ops import view_chains
-from torchtpu.runtime import jax
+from torchtpu.runtime import jax, policy
 from torchtpu.runtime.transfer import to_device
 from torchtpu.storage import Storage
 from torchtpu.tensor import TPUTensor
@@ -50,18 +50,17 @@ def contiguous(shape) -> tuple:
 
 def wrap(array, meta: OutMeta, device: int) -> TPUTensor:
     """A new TPUTensor owning ``array`` (a fresh Storage)."""
-    if device != 0 and type(array) is not Pending:
-        array = _on_device(array, device)
+    if (device != 0 or policy.active()) and type(array) is not Pending:
+        array = _on_device(array, device, meta.dtype)
     s = Storage(array, meta.shape, meta.strides, meta.dtype, device)
     return TPUTensor(s, (), meta.shape, meta.strides, 0, meta.dtype)
 
 
-def _on_device(array, device: int):
+def _on_device(array, device: int, dtype: torch.dtype):
+    """``array`` where a storage of ``dtype`` on ``tpu:device`` keeps it."""
     if array is None:
         return None
-    from torchtpu.runtime import device as jax_device
-
-    target = jax_device(device)
+    target = _home(device, dtype)
     if array.devices() != {target}:
         array = jax().device_put(array, target)
     return array
@@ -73,11 +72,19 @@ def from_cpu(t: torch.Tensor, index: int) -> TPUTensor:
     return wrap(array, OutMeta(tuple(t.shape), contiguous(t.shape), t.dtype), index)
 
 
-def move(x: TPUTensor, index: int) -> TPUTensor:
-    """A copy of ``x`` on ``tpu:index``."""
+def _home(index: int, dtype: torch.dtype):
+    """The JAX device a storage of ``dtype`` on ``tpu:index`` keeps its array on: the
+    host for a dtype the platform policy keeps there (runtime/policy.py)."""
+    if dtype in policy.host_dtypes():
+        return policy.host_device()
     from torchtpu.runtime import device as jax_device
 
-    array = jax().device_put(materialize(x), jax_device(index))
+    return jax_device(index)
+
+
+def move(x: TPUTensor, index: int) -> TPUTensor:
+    """A copy of ``x`` on ``tpu:index``."""
+    array = jax().device_put(materialize(x), _home(index, x.dtype))
     return wrap(array, OutMeta(tuple(x.shape), contiguous(x.shape), x.dtype), index)
 
 
@@ -100,11 +107,16 @@ def materialize(t: TPUTensor):
     if not t._chain and base is not None:
         return base
     reader = _reader(t, base is None)
+    if t.dtype in policy.host_dtypes() and s.dtype not in policy.host_dtypes():
+        # A float64 view of int64 device memory: read on the host (runtime/policy.py)
+        host = policy.host_device()
+        if base is None:
+            with jax().default_device(host):
+                return reader()
+        return reader(jax().device_put(base, host))
     if base is None:
-        if s.device_index != 0:
-            from torchtpu.runtime import device as jax_device
-
-            with jax().default_device(jax_device(s.device_index)):
+        if s.device_index != 0 or s.dtype in policy.host_dtypes():
+            with jax().default_device(_home(s.device_index, s.dtype)):
                 return reader()
         return reader()
     return reader(base)

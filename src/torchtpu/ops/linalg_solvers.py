@@ -20,7 +20,6 @@ import jax.scipy.linalg as jsp_linalg
 from jax import lax
 from torch.linalg import LinAlgError
 
-from torchtpu import runtime
 from torchtpu.ops.registry import aten, lowers
 from torchtpu.ops.value_checks import error_if
 
@@ -399,13 +398,11 @@ def _linalg_eigh(A, UPLO, compute_v):
     return values, (vectors if compute_v else jnp.zeros((0,), A.dtype))
 
 
-if runtime.platform() == "cpu":
-    # JAX has a general (non-Hermitian) eigendecomposition only on the CPU; on an
-    # accelerator linalg_eig stays on torch's CPU fallback.
-
-    @lowers(aten.linalg_eig.default)
-    def linalg_eig(self):
-        return tuple(jnp.linalg.eig(self))
+# JAX has a general (non-Hermitian) eigendecomposition only on the CPU: elsewhere the
+# platform policy runs it on the host (runtime/policy.py, rule "eig").
+@lowers(aten.linalg_eig.default)
+def linalg_eig(self):
+    return tuple(jnp.linalg.eig(self))
 
 
 @lowers(aten.linalg_matrix_exp.default)

@@ -202,12 +202,15 @@ def _check_multinomial(self, num_samples, replacement):
 @lowers(aten.multinomial.default, random=True)
 def multinomial(self, num_samples, replacement=False, generator=None, *, key):
     _check_multinomial(self, num_samples, replacement)
-    logits = jnp.log(self.astype(jnp.float64) if self.dtype != jnp.float64 else self)
+    # In the input's compute dtype (float32 for the 16-bit floats): no float64
+    # intermediates, which a TPU would have to run on the host (runtime/policy.py).
+    work = opmath_dtype(self.dtype)
+    logits = jnp.log(self.astype(work))
     if replacement:
         shape = (num_samples,) + self.shape[:-1]
         draws = jax.random.categorical(key, logits, axis=-1, shape=shape)
         return jnp.moveaxis(draws, 0, -1).astype(jnp.int64)
     # Without replacement: Gumbel top-k.
-    gumbel = flat_draw(jax.random.gumbel, key, self.shape, dtype=jnp.float64)
+    gumbel = flat_draw(jax.random.gumbel, key, self.shape, dtype=work)
     _, idx = jax.lax.top_k(logits + gumbel, num_samples)
     return idx.astype(jnp.int64)

@@ -12,11 +12,12 @@ import torch
 
 from torchtpu import tracing
 from torchtpu.observe import metrics, perf_warnings
-from torchtpu.runtime import device, jax, platform
+from torchtpu.runtime import device, jax, platform, policy
 
 
 def to_device(cpu_tensor: torch.Tensor, index: int):
-    """A JAX array on ``tpu:index`` holding a copy of ``cpu_tensor``'s values."""
+    """A JAX array on ``tpu:index`` holding a copy of ``cpu_tensor``'s values (on the
+    host, for a dtype the platform policy keeps there: runtime/policy.py)."""
     if cpu_tensor.device.type != "cpu":  # a meta tensor has no values to copy
         raise NotImplementedError(f"Cannot copy out of {cpu_tensor.device.type} tensor; no data!")
     t = cpu_tensor.detach()
@@ -28,7 +29,7 @@ def to_device(cpu_tensor: torch.Tensor, index: int):
     private = t.clone(memory_format=torch.contiguous_format)
     jx = jax()
     array = jx.dlpack.from_dlpack(private)
-    target = device(index)
+    target = policy.host_device() if t.dtype in policy.host_dtypes() else device(index)
     if array.devices() != {target}:
         array = jx.device_put(array, target)
     metrics.count("transfer_bytes", "to_device", private.numel() * private.element_size())
