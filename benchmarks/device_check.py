@@ -162,7 +162,7 @@ def speed(quick: bool) -> dict:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="tiny: checks that it runs")
-    parser.add_argument("--suite-minutes", type=float, default=4.0)
+    parser.add_argument("--suite-minutes", type=float, default=3.0)
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args(argv)
 
