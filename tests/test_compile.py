@@ -16,6 +16,7 @@ import torch.nn.functional as F
 import torchtpu
 import torchtpu.compile.backend  # noqa: F401  (the Dynamo options it sets apply from here)
 from test_training import _CNN, _Block, _mlp, _mlp_batch
+from torchtpu import _compat
 
 aten = torch.ops.aten
 
@@ -739,8 +740,15 @@ def test_result_viewing_part_of_an_intermediate():
     be taken and a second compiled region can take it as an input."""
     x = torch.randn(2, 8, 4)
     y = torch.compile(lambda a: (a * 2)[..., :3], backend="tpu")(x.to("tpu"))
-    assert y.stride() == (32, 4, 1)
-    assert y.untyped_storage().nbytes() >= (1 + 31 + 14 + 2) * 4
+    if _compat.torch_at_least(2, 14):
+        # torch 2.14's AOTAutograd takes a tensor subclass output's strides from its
+        # inner tensor when they matched at trace time (outer_stride_from_attr), and a
+        # compiled graph's inner handles are contiguous: the slice comes back contiguous.
+        assert y.stride() == (24, 3, 1)
+    else:
+        assert y.stride() == (32, 4, 1)
+    span = 1 + sum((n - 1) * s for n, s in zip(y.shape, y.stride()))
+    assert y.untyped_storage().nbytes() >= span * 4
     z = torch.compile(lambda a: a + 1, backend="tpu")(y)
     torch.testing.assert_close(z.cpu(), (x * 2)[..., :3] + 1)
 

@@ -1786,3 +1786,41 @@ def test_gcd_and_lcm_with_zeros_signs_and_overflow():
 def test_renorm_of_16_bit_floats(dtype):
     # torch's decomposition converts with prims.convert_element_type: lowered too.
     check(lambda x: torch.renorm(x, 2, 0, 1.0), _randn(3, 4).to(dtype))
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["plain", "causal", "scale", "float_mask_with_an_empty_row", "grouped", "causal_more_queries"],
+)
+def test_cpu_flash_attention_returns_the_logsumexp(case):
+    """aten._scaled_dot_product_flash_attention_for_cpu as the CPU kernel computes it:
+    its second output is the log-sum-exp (torch's decomposition gives the weights)."""
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 4, 3, 8), torch.randn(2, 4, 5, 8), torch.randn(2, 4, 5, 8)
+    kwargs = {}
+    if case == "causal":
+        kwargs["is_causal"] = True
+    elif case == "scale":
+        kwargs["scale"] = 0.3
+    elif case == "float_mask_with_an_empty_row":
+        mask = torch.zeros(3, 5)
+        mask[0], mask[1:, :2] = float("-inf"), float("-inf")
+        kwargs["attn_mask"] = mask
+    elif case == "grouped":
+        k, v = k[:, :2], v[:, :2]
+    elif case == "causal_more_queries":
+        k, v, kwargs["is_causal"] = k[:, :, :2], v[:, :, :2], True
+    op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    tpu_kwargs = {n: tpu(a) if torch.is_tensor(a) else a for n, a in kwargs.items()}
+    assert_same(
+        op(*tpu((q, k, v)), **tpu_kwargs),
+        op(q, k, v, **kwargs),
+        rtol=1e-4,
+        atol=1e-4,
+        check_stride=True,
+    )
+    cpu_inputs = [t.requires_grad_() for t in (q, k, v)]
+    tpu_inputs = [t.detach().to("tpu").requires_grad_() for t in cpu_inputs]
+    cpu_grads = torch.autograd.grad(op(*cpu_inputs, **kwargs)[0].sum(), cpu_inputs)
+    tpu_grads = torch.autograd.grad(op(*tpu_inputs, **tpu_kwargs)[0].sum(), tpu_inputs)
+    assert_same(tpu_grads, cpu_grads, rtol=1e-4, atol=2e-4)

@@ -8,4 +8,18 @@ package here is then a no-op and torchtpu registers the device when it finishes.
 
 
 def load() -> None:
-    import torchtpu  # noqa: F401  (importing it registers the device)
+    try:
+        import torchtpu  # noqa: F401  (importing it registers the device)
+    except Exception as exc:
+        # torch raises out of ``import torch`` when an entry point fails: a torch release
+        # torchtpu cannot register with must not cost the user torch itself.
+        import warnings
+
+        import torch
+
+        warnings.warn(
+            f"torchtpu could not register the tpu device on torch {torch.__version__} "
+            f"({type(exc).__name__}: {exc}); torch works without it",
+            RuntimeWarning,
+            stacklevel=2,
+        )

@@ -412,10 +412,21 @@ def load_runtime():
     ``hooks``). Every tpu tensor is first made by a kernel here, which calls this."""
     global _dispatch
     if _dispatch is None:
-        import torchtpu.compile.handles  # noqa: F401
-        import torchtpu.interop.arrays  # noqa: F401  (TPUTensor's DLPack protocol)
-        from torchtpu.dispatch.core import dispatch
+        from torchtpu import _compat
 
+        _compat.check_torch()
+        before = set(sys.modules)
+        try:
+            import torchtpu.compile.handles  # noqa: F401
+            import torchtpu.interop.arrays  # noqa: F401  (TPUTensor's DLPack protocol)
+            from torchtpu.dispatch.core import dispatch
+        except BaseException:
+            # Never half a table: what this attempt imported goes, so the next one (and
+            # its error) starts from scratch instead of registering lowerings twice.
+            for name in set(sys.modules) - before:
+                if name.startswith("torchtpu."):
+                    del sys.modules[name]
+            raise
         _dispatch = dispatch
     return _dispatch
 

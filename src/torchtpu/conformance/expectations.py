@@ -128,6 +128,30 @@ EXPECTATIONS: dict[tuple[str, str, str, str, str], Expectation] = {
         "the CPU's 7.5e-6 off the float64 result; on gradients up to 1.2 the CPU's "
         "backward is 1.2e-5 off and ours 8.7e-7",
     ),
+    (
+        "torch.ops.aten._scaled_dot_product_flash_attention_for_cpu",
+        "op",
+        "float32",
+        "forward",
+        "*",
+    ): tolerance(
+        1.3e-6,
+        3e-5,
+        "the CPU's blockwise flash attention rounds otherwise (OpInfo has it from torch "
+        "2.14): on outputs up to 79 the CPU's is 1.9e-5 and ours 1.1e-5 off float64",
+    ),
+    (
+        "torch.ops.aten._scaled_dot_product_flash_attention_for_cpu",
+        "op",
+        "float32",
+        "grad",
+        "*",
+    ): tolerance(
+        1.3e-6,
+        2.5e-4,
+        "on gradients up to 42 the CPU's flash backward is 1.7e-4 and ours 4.5e-5 off "
+        "the float64 gradient",
+    ),
     ("nn.functional.ctc_loss", "op", "float32", "grad", "*"): tolerance(
         1.3e-6,
         1e-4,

@@ -20,6 +20,7 @@ import jax.scipy.linalg as jsp_linalg
 from jax import lax
 from torch.linalg import LinAlgError
 
+from torchtpu import _compat
 from torchtpu.ops.registry import aten, lowers
 from torchtpu.ops.value_checks import error_if
 
@@ -296,7 +297,7 @@ def linalg_cholesky_ex(self, upper, check_errors):
     return factor, info
 
 
-@lowers(aten.cholesky.default)
+@lowers(_compat.aten("cholesky.default"))
 def cholesky(self, upper):
     factor, info = _cholesky(self, upper)
     check_info(info, "cholesky")

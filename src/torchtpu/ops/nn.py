@@ -1019,3 +1019,74 @@ def _weight_norm_interface_backward(grad_w, saved_v, saved_g, saved_norms, dim):
     grad_g = jnp.sum(grad_w * saved_v, axis=axes, keepdims=True) / saved_norms
     grad_v = (saved_g / saved_norms) * (grad_w - saved_v * (grad_g / saved_norms))
     return grad_v, grad_g.reshape(saved_g.shape)
+
+
+# -- attention ----------------------------------------------------------------------------------
+
+
+@lowers(
+    aten._scaled_dot_product_flash_attention_for_cpu.default,
+    static=("dropout_p", "is_causal", "scale"),
+    precision=True,
+)
+def _scaled_dot_product_flash_attention_for_cpu(
+    query, key, value, dropout_p=0.0, is_causal=False, attn_mask=None, scale=None, *, precision
+):
+    """torch's CPU flash attention: the output and the log-sum-exp of each query's scores
+    (float32 for 16-bit inputs). torch's own decomposition of the op returns the
+    attention weights in place of the log-sum-exp, so it is lowered here. A query that
+    may attend to no key gets zeros and a log-sum-exp of 0, as the CPU kernel gives."""
+    if dropout_p > 0:
+        raise RuntimeError(
+            "scaled_dot_product_attention_flash_attention: Currently do not support dropout > 0"
+        )
+    work = opmath_dtype(query.dtype)
+    q, k, v = (x.astype(work) for x in (query, key, value))
+    groups = q.shape[-3] // k.shape[-3]
+    if groups > 1:  # grouped-query attention: each key/value head serves `groups` heads
+        k, v = jnp.repeat(k, groups, axis=-3), jnp.repeat(v, groups, axis=-3)
+    scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
+    scores = jnp.matmul(q, jnp.swapaxes(k, -1, -2), precision=precision) * scale
+    if is_causal:
+        length, keys = scores.shape[-2:]
+        scores = jnp.where(jnp.tril(jnp.ones((length, keys), bool)), scores, -jnp.inf)
+    if attn_mask is not None:
+        if attn_mask.dtype == jnp.bool_:
+            scores = jnp.where(attn_mask, scores, -jnp.inf)
+        else:
+            scores = scores + attn_mask.astype(work)
+    peak = jnp.max(scores, axis=-1, keepdims=True)
+    empty = jnp.isneginf(peak)  # no key to attend to
+    weights = jnp.exp(scores - jnp.where(empty, 0, peak))
+    total = jnp.sum(weights, axis=-1, keepdims=True)
+    out = jnp.matmul(weights / jnp.where(empty, 1, total), v, precision=precision)
+    lse = jnp.where(empty, 0, peak + jnp.log(jnp.where(empty, 1, total)))[..., 0]
+    return out.astype(query.dtype), lse.astype(jnp.float32 if work != jnp.float64 else work)
+
+
+@lowers(
+    aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
+    static=("dropout_p", "is_causal", "scale"),
+    precision=True,
+)
+def _scaled_dot_product_flash_attention_for_cpu_backward(
+    grad_out,
+    query,
+    key,
+    value,
+    out,
+    logsumexp,
+    dropout_p,
+    is_causal,
+    attn_mask=None,
+    scale=None,
+    *,
+    precision,
+):
+    def forward(q, k, v):
+        return _scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, dropout_p, is_causal, attn_mask, scale, precision=precision
+        )[0]
+
+    _, pullback = jax.vjp(forward, query, key, value)
+    return pullback(grad_out.astype(query.dtype))

@@ -121,6 +121,8 @@ def lowers(
 
     def register(fn: Callable) -> Callable:
         for op in ops:
+            if op is None:  # an op this torch release lacks (_compat.aten)
+                continue
             if not isinstance(op, torch._ops.OpOverload):
                 raise TypeError(f"lowers() takes op overloads such as aten.add.Tensor, got {op!r}")
             if op in TABLE:

@@ -46,9 +46,9 @@ def started() -> bool:
     initialised). False until a tpu tensor needed a device."""
     if "jax" not in sys.modules:
         return False
-    from jax._src import xla_bridge
+    from torchtpu import _compat
 
-    return xla_bridge.backends_are_initialized()
+    return _compat.jax_backends_started()
 
 
 # The index of the current device (``torch.tpu.set_device``): where ``"tpu"`` without

@@ -243,6 +243,6 @@ _BREAKS = {
 
 
 def _subjaxprs(params):
-    from jax._src import core
+    from torchtpu import _compat
 
-    return core.jaxprs_in_params(params)
+    return _compat.jaxprs_in_params(params)
