@@ -8,6 +8,9 @@ docs/compatibility.md what each passed.
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
+
 import torch
 
 #: The torch releases torchtpu supports: from the first (inclusive) to the second
@@ -33,24 +36,36 @@ def check_torch() -> None:
         )
 
 
-#: aten ops that only some supported releases have: the overload's name -> why. An op
+#: Ops that only some supported releases have: the overload's full name -> why. An op
 #: listed here is lowered where the running torch has it and simply not elsewhere, as
 #: torch itself has it or not.
 VARYING_OPS = {
     # torch 2.14 removed the deprecated torch.cholesky and its aten op
     # (torch.linalg.cholesky, aten.linalg_cholesky_ex, replaces it).
-    "cholesky.default": "removed in torch 2.14",
+    "aten.cholesky.default": "removed in torch 2.14",
+    # foreach ops torch added: optimizers and torch._foreach_* use them where they exist
+    "aten._foreach_clone.default": "added in torch 2.12",
+    "aten._foreach_mm.default": "added in torch 2.13",
+    # the chunked ops behind nn.functional.linear_cross_entropy, new in torch 2.13
+    "torch_nn._linear_cross_entropy_batch_chunked.default": "added in torch 2.13",
+    "torch_nn._linear_cross_entropy_batch_chunked_no_reduction.default": "added in torch 2.13",
 }
 
+# The module that registers a namespace's ops, imported before looking one up.
+_REGISTERED_BY = {"torch_nn": "torch.nn.modules.linear_cross_entropy"}
 
-def aten(name: str):
-    """The aten op overload ``name`` (``"cholesky.default"``), or None where this torch
+
+def op(name: str):
+    """The op overload ``name`` (``"aten.cholesky.default"``), or None where this torch
     lacks it. Only ops listed in `VARYING_OPS` may be absent."""
     if name not in VARYING_OPS:
         raise KeyError(f"{name} is not listed in torchtpu._compat.VARYING_OPS")
-    packet_name, _, overload = name.partition(".")
-    packet = getattr(torch.ops.aten, packet_name, None)
-    return None if packet is None else getattr(packet, overload or "default", None)
+    namespace, packet_name, overload = name.split(".")
+    module = _REGISTERED_BY.get(namespace)
+    if module is not None and importlib.util.find_spec(module) is not None:
+        importlib.import_module(module)
+    packet = getattr(getattr(torch.ops, namespace), packet_name, None)
+    return None if packet is None else getattr(packet, overload, None)
 
 
 # -- JAX -------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.scipy import special as jsp
 
+from torchtpu import _compat
 from torchtpu.ops import elementwise as ew
 from torchtpu.ops import reduction
 from torchtpu.ops.registry import aten, lowers
@@ -167,7 +168,7 @@ for _op, _fn in _UNARY.items():
     lowers(_op)(_over_lists(_fn))
 
 
-@lowers(aten._foreach_clone.default)
+@lowers(_compat.op("aten._foreach_clone.default"))
 def _foreach_clone(self, memory_format=None):
     return list(self)
 
@@ -187,6 +188,6 @@ def _foreach_powsum(self, ord=2, dtype=None):
     return [jnp.sum(jnp.abs(opmath(x)) ** ord) for x in self]
 
 
-@lowers(aten._foreach_mm.default)
+@lowers(_compat.op("aten._foreach_mm.default"))
 def _foreach_mm(self, mat2):
     return [jnp.matmul(a, b) for a, b in zip(self, mat2)]

@@ -297,7 +297,7 @@ def linalg_cholesky_ex(self, upper, check_errors):
     return factor, info
 
 
-@lowers(_compat.aten("cholesky.default"))
+@lowers(_compat.op("aten.cholesky.default"))
 def cholesky(self, upper):
     factor, info = _cholesky(self, upper)
     check_info(info, "cholesky")

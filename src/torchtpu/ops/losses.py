@@ -9,11 +9,9 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import torch
-import torch.nn.modules.linear_cross_entropy  # noqa: F401  (registers the torch_nn ops)
 from jax import lax
 
-from torchtpu import dtypes
+from torchtpu import _compat, dtypes
 from torchtpu.ops.registry import aten, lowers
 from torchtpu.ops.util import opmath
 from torchtpu.ops.value_checks import error_if
@@ -117,7 +115,7 @@ def _linear_cross_entropy_fn(
     return loss
 
 
-@lowers(torch.ops.torch_nn._linear_cross_entropy_batch_chunked.default, precision=True)
+@lowers(_compat.op("torch_nn._linear_cross_entropy_batch_chunked.default"), precision=True)
 def _linear_cross_entropy_batch_chunked(
     input,
     linear_weight,
@@ -151,7 +149,9 @@ def _linear_cross_entropy_batch_chunked(
     )
 
 
-@lowers(torch.ops.torch_nn._linear_cross_entropy_batch_chunked_no_reduction.default, precision=True)
+@lowers(
+    _compat.op("torch_nn._linear_cross_entropy_batch_chunked_no_reduction.default"), precision=True
+)
 def _linear_cross_entropy_batch_chunked_no_reduction(
     input,
     linear_weight,
