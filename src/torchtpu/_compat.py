@@ -68,6 +68,36 @@ def op(name: str):
     return None if packet is None else getattr(packet, overload, None)
 
 
+#: OpInfo entries that torch's test database gained in a later supported release: the
+#: conformance expectations may name them (an entry is stale only where torch has it).
+OPINFO_FROM = {
+    "torch.ops.aten._scaled_dot_product_flash_attention_for_cpu": (2, 14),
+}
+
+
+def premul_sum_factor(op) -> float:
+    """The factor of a ``ReduceOp`` made by ``_make_nccl_premul_sum``. torch exposes it to
+    Python from 2.13 (``ReduceOp.factor``); before, it is out of reach, and the reduction
+    is refused clearly."""
+    if not torch_at_least(2, 13):
+        raise NotImplementedError(
+            f"all_reduce with ReduceOp.PREMUL_SUM on tpu needs torch 2.13 or later: torch "
+            f"{torch.__version__} does not expose the op's factor to Python. Multiply the "
+            "tensor by the factor, then use ReduceOp.SUM."
+        )
+    factor = op.factor
+    return factor.item() if isinstance(factor, torch.Tensor) else float(factor)
+
+
+def dynamo_inline_when_called(trace_rules, module) -> None:
+    """Dynamo skips the frames of ``module`` entered from skipped code, but inlines the
+    module where code it traces calls it: torch 2.12 added the list for that
+    (trace_rules.BUILTIN_INLINE_WHEN_CALLED, as torch does for ``copy``). Torch 2.11 has
+    none and skips the module everywhere, as it skips ``copy``."""
+    if torch_at_least(2, 12):
+        trace_rules.BUILTIN_INLINE_WHEN_CALLED.add(trace_rules._module_dir(module))
+
+
 # -- JAX -------------------------------------------------------------------------------
 # JAX's internals torchtpu reads, each behind one function here (checked: JAX 0.10.x;
 # pyproject.toml pins that range). Nothing here imports JAX at module level: ``import

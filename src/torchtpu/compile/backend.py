@@ -32,7 +32,7 @@ from torch._dynamo.backends import registry as _registry
 from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.backends.registry import register_backend
 
-from torchtpu import config, dtypes, tracing
+from torchtpu import _compat, config, dtypes, tracing
 from torchtpu.compile import handles
 from torchtpu.compile.program import Program, flatten_values, unflatten_values
 from torchtpu.compile.segments import Segmented, reads_values
@@ -192,7 +192,7 @@ _trace_rules.add("torchtpu")
 # graph has. torch treats ``copy`` the same way: skipped as a frame of its own,
 # inlined as before when traced code calls it.
 _trace_rules.add("logging")
-_trace_rules.BUILTIN_INLINE_WHEN_CALLED.add(_trace_rules._module_dir(logging))
+_compat.dynamo_inline_when_called(_trace_rules, logging)
 
 # A @torchtpu.jax_op function is one node of Dynamo's graph (Dynamo must not trace
 # JAX's pytree code); AOTAutograd traces it into its custom ops. Those made before

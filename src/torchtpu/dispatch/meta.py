@@ -99,7 +99,8 @@ def run_meta(op, info: SchemaInfo, margs: list):
 _DTYPES_CHECKED_BY_CPU = frozenset(
     {
         # matrix products and convolutions
-        "mm", "addmm", "addbmm", "mv", "addmv", "_cdist_forward", "convolution",
+        "mm", "addmm", "addbmm", "bmm", "baddbmm", "mv", "addmv", "_cdist_forward",
+        "convolution",
         # vector functions
         "cross", "linalg_cross", "heaviside", "polar", "complex", "linalg_lstsq",
         # normalizations, softmax, losses, sampling

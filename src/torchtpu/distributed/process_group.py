@@ -17,7 +17,7 @@ import pickle
 import torch
 from torch._C._distributed_c10d import ProcessGroup, ReduceOp, _create_work_from_future
 
-from torchtpu import config, runtime
+from torchtpu import _compat, config, runtime
 from torchtpu.dispatch import defer
 from torchtpu.dispatch.values import OutMeta, contiguous, materialize, wrap
 from torchtpu.distributed import CollectiveMismatchError, collectives, fsdp_storage, functional
@@ -33,10 +33,7 @@ def _op_name(op) -> tuple[str, tuple]:
     red = op.op if isinstance(op, ReduceOp) else op
     name = red.name.lower()
     if name == "premul_sum":
-        factor = op.factor if isinstance(op, ReduceOp) else None
-        if isinstance(factor, torch.Tensor):
-            factor = factor.item()
-        return name, (float(factor),)
+        return name, (_compat.premul_sum_factor(op),)
     return name, ()
 
 
