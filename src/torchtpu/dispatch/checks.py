@@ -21,7 +21,8 @@ def _error(exc_type, message: str, op, where: str) -> BaseException:
     """The exception of a failed check: torch's message as torch words it, the op and
     the user's line in a note (PEP 678), so a test matching the message sees torch's."""
     exc = exc_type(message)
-    exc.add_note(f"torchtpu: raised by {op} ({where})")
+    # A check traced inside a compiled graph names its line already: once is enough.
+    exc.add_note(f"torchtpu: raised by {op}" + ("" if where in str(op) else f" ({where})"))
     return exc
 
 

@@ -101,6 +101,8 @@ _DTYPES_CHECKED_BY_CPU = frozenset(
         # matrix products and convolutions
         "mm", "addmm", "addbmm", "bmm", "baddbmm", "mv", "addmv", "_cdist_forward",
         "convolution",
+        # attention
+        "_scaled_dot_product_flash_attention_for_cpu",
         # vector functions
         "cross", "linalg_cross", "heaviside", "polar", "complex", "linalg_lstsq",
         # normalizations, softmax, losses, sampling

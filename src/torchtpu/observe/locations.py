@@ -42,10 +42,20 @@ def user_frame() -> str:
     frame = sys._getframe(1)
     while frame is not None:
         code = frame.f_code
-        if not _is_library(code.co_filename):
+        if not _is_library(code.co_filename) and not _generated_by_library(frame):
             return location(code.co_filename, frame.f_lineno, code.co_name)
         frame = frame.f_back
     return "<unknown>"
+
+
+def _generated_by_library(frame) -> bool:
+    """Whether ``frame`` runs code compiled from a string (a ``<...>`` file name) that a
+    library called: torch writes some wrappers that way (AOTAutograd's
+    ``<subclass_wrapper>`` in torch 2.12, FX's ``<eval_with_key>.N``). Code a user
+    ``exec``s is called from the user's own frame, and stays theirs."""
+    while frame is not None and frame.f_code.co_filename.startswith("<"):
+        frame = frame.f_back
+    return frame is not None and _is_library(frame.f_code.co_filename)
 
 
 def location(filename: str, line: int, function: str) -> str:
