@@ -231,6 +231,65 @@ def _():
     return [value, m["flushes"].get("collective", 0), m["collectives"], m["collective_bytes"]]
 
 
+@check("min_max_match_gloo")
+def _():
+    # int64 (past 2**53, the extremes) and bool, in Strict and DeferAndFuse, against
+    # torch's gloo backend on the same values
+    gloo = dist.new_group(backend="gloo")
+    values = {torch.int64: [[5, -3, 2**40, -2**63], [7, -9, -2**41, 2**63 - 1]],
+              torch.bool: [[True, False, True, False], [True, True, False, False]]}
+    out = {}
+    for mode in ["strict", "defer"]:
+        for dtype, per_rank in values.items():
+            for name in ["MIN", "MAX"]:
+                op = getattr(ReduceOp, name)
+                theirs = torch.tensor(per_rank[R], dtype=dtype)
+                dist.all_reduce(theirs, op=op, group=gloo)
+                with torch.tpu.set_eager_mode(mode):
+                    ours = torch.tensor(per_rank[R], dtype=dtype, device="tpu")
+                    dist.all_reduce(ours, op=op)
+                    out[f"{mode} {dtype} {name}"] = [ours.cpu().tolist(), theirs.tolist(),
+                                                     str(ours.dtype)]
+    return out
+
+
+@check("save_on_rank_0_under_defer")
+def _():
+    # rank 0 alone reads every value between the steps' collectives (issue #31)
+    path = os.path.join(os.environ["CHECK_OUT"], "state.pt")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    with torch.tpu.set_eager_mode("defer"):
+        ddp = torch.nn.parallel.DistributedDataParallel(model.to("tpu"))
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
+        for _ in range(3):
+            opt.zero_grad()
+            ddp(torch.randn(3, 4).to("tpu")).sum().backward()
+            opt.step()
+            if R == 0:
+                torch.save(model.state_dict(), path)
+        dist.barrier()
+        saved = torch.load(path)  # tpu tensors again
+        state = model.state_dict()
+        return [sorted(saved), all(torch.equal(saved[k].cpu(), state[k].cpu()) for k in state)]
+
+
+@check("defer_chunks_differ")
+def _():
+    with torch.tpu.set_eager_mode("defer"):
+        # different pending chunks before the same collective: fine
+        if R == 0:
+            x = torch.arange(4.0, device="tpu") * 2
+        else:
+            x = torch.ones(2, 2, device="tpu").reshape(4).cumsum(0) + 1
+        dist.all_reduce(x)
+        y = torch.ones(2 + R, device="tpu") * 3 + 1  # chunks of different shapes: an error
+        try:
+            dist.all_reduce(y)
+        except torchtpu.distributed.CollectiveMismatchError as e:
+            return [x.tolist(), str(e)]
+
+
 @check("mismatch")
 def _():
     x = torch.ones(2 + R, device="tpu")
@@ -625,14 +684,20 @@ def launch(tmp_path, script: str, nproc: int = 2, timeout: float = 120, env_extr
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
            "--master_addr=127.0.0.1", f"--master_port={port}", str(path)]  # fmt: skip
     start = time.monotonic()
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.terminate()  # torchrun stops its workers, which a SIGKILL of it would leave running
+        stdout, stderr = proc.communicate()
+        stderr += f"\n[launch: still running after {timeout} s]"
     seconds = time.monotonic() - start
     results = {}
     for r in range(nproc):
         f = out / f"rank{r}.json"
         if f.exists():
             results[r] = json.loads(f.read_text())
-    return proc.returncode, proc.stdout + proc.stderr, seconds, results
+    return proc.returncode, stdout + stderr, seconds, results
 
 
 @pytest.fixture(scope="module")
@@ -737,6 +802,24 @@ def test_defer_flushes_before_a_collective(checks):
         assert value == [5.0, 5.0, 5.0]
         assert flushes >= 1
         assert counts == {"all_reduce": 1} and nbytes == {"all_reduce": 12}
+
+
+def test_min_max_of_int64_and_bool_match_gloo(checks):
+    for out in outcome(checks, "min_max_match_gloo"):
+        assert len(out) == 8
+        for key, (ours, theirs, dtype) in out.items():
+            assert ours == theirs and dtype in key, key
+
+
+def test_saving_on_rank_0_alone_under_defer_with_ddp(checks):
+    for keys, equal in outcome(checks, "save_on_rank_0_under_defer"):
+        assert keys == ["0.bias", "0.weight", "2.bias", "2.weight"] and equal
+
+
+def test_defer_chunks_that_differ_before_a_collective(checks):
+    for r, (same, message) in enumerate(outcome(checks, "defer_chunks_differ")):
+        assert same == [2.0, 5.0, 8.0, 11.0]
+        assert f"rank {r}:" in message and "float32[2]" in message and "float32[3]" in message
 
 
 def test_shape_mismatch_raises_on_each_rank(checks):

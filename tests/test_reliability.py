@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import warnings
 
 import pytest
 import torch
@@ -898,3 +899,204 @@ def test_a_thread_reads_a_value_another_thread_queued():
         thread.start()
         thread.join()
         assert (made["t"] + 1).cpu().tolist() == [1.0, 4.0, 7.0, 10.0]
+
+
+# -- issue 31: errors where torch works ---------------------------------------------------
+
+
+def _packed_rnn_run(cell, x, lengths, enforce_sorted, batch_first):
+    """Outputs and gradients of an RNN over ``x`` packed by ``lengths``, on x's device."""
+    from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
+
+    torch.manual_seed(0)
+    model = cell(5, 6, num_layers=1, bidirectional=True, batch_first=batch_first).to(x.device)
+    x = x.detach().requires_grad_()
+    packed = pack_padded_sequence(x, lengths, batch_first, enforce_sorted)
+    out, hidden = model(packed)
+    padded, out_lengths = pad_packed_sequence(out, batch_first)
+    h = hidden[0] if isinstance(hidden, tuple) else hidden
+    (padded.square().sum() + h.sum()).backward()
+    grads = [p.grad for p in model.parameters()]
+    return packed.batch_sizes, out_lengths, (padded, h, x.grad, grads)
+
+
+@pytest.mark.parametrize("cell", [torch.nn.LSTM, torch.nn.GRU])
+@pytest.mark.parametrize("enforce_sorted", [True, False])
+def test_rnn_over_packed_sequences(mode, cell, enforce_sorted):
+    """pack_padded_sequence keeps ``batch_sizes`` on the CPU, as on CUDA, where
+    PackedSequence and the packed RNN kernels read it (it raised "batch_sizes should
+    always be on CPU", or for unsorted lengths a slicing error)."""
+    from conftest import assert_same
+
+    batch_first = not enforce_sorted  # both layouts, over the parametrization
+    lengths = [4, 3, 1] if enforce_sorted else [3, 4, 1]
+    x = torch.randn(3, 4, 5) if batch_first else torch.randn(4, 3, 5)
+    sizes, out_lengths, expected = _packed_rnn_run(cell, x, lengths, enforce_sorted, batch_first)
+    tpu_sizes, tpu_lengths, actual = _packed_rnn_run(
+        cell, x.to("tpu"), torch.tensor(lengths), enforce_sorted, batch_first
+    )
+    assert tpu_sizes.device.type == "cpu" and torch.equal(tpu_sizes, sizes)
+    assert tpu_lengths.device.type == "cpu" and torch.equal(tpu_lengths, out_lengths)
+    assert_same(actual, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_pack_sequence(mode):
+    from torch.nn.utils.rnn import pack_sequence
+
+    sequences = [torch.randn(n, 2) for n in (2, 4, 3)]
+    expected = pack_sequence(sequences, enforce_sorted=False)
+    actual = pack_sequence([s.to("tpu") for s in sequences], enforce_sorted=False)
+    assert actual.batch_sizes.device.type == "cpu"
+    assert torch.equal(actual.batch_sizes, expected.batch_sizes)
+    assert torch.equal(actual.data.cpu(), expected.data)
+    assert torch.equal(actual.sorted_indices.cpu(), expected.sorted_indices)
+    assert torch.equal(actual.unsorted_indices.cpu(), expected.unsorted_indices)
+
+
+@pytest.mark.parametrize("make", [torch.tensor, torch.as_tensor])
+def test_a_tensor_from_tpu_scalars_is_a_cpu_tensor(mode, make):
+    """torch.tensor([v.sum(), v.mean()]) reads each element with .item() while torch has
+    Python dispatch off: as on CUDA, a CPU tensor of the values (it raised
+    NotImplementedError for aten::_local_scalar_dense)."""
+    v = torch.arange(1.0, 6.0)
+    t = v.to("tpu")
+    for items in (
+        lambda v: [v.sum(), v.mean(), v[2]],
+        lambda v: [[v.max()], [v.min()]],
+        lambda v: [v.sum().int(), v.argmax()],
+        lambda v: [v.sum() > 3, v[0] > 3],
+    ):
+        expected = make(items(v))
+        actual = make(items(t))
+        assert actual.device.type == "cpu" and actual.dtype == expected.dtype
+        assert torch.equal(actual, expected)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("lengths", ["tensor", "int32 tensor", "list"])
+def test_ctc_loss_takes_lengths_on_the_cpu(mode, reduction, lengths):
+    """F.ctc_loss(tpu log_probs, tpu targets, CPU lengths), documented usage that CUDA
+    takes (it raised "Expected all tensors to be on the same device")."""
+    from conftest import assert_same
+
+    torch.manual_seed(0)
+    log_probs = torch.randn(10, 3, 5).log_softmax(2)
+    input_lengths, target_lengths = [10, 9, 7], [4, 3, 2]
+    if lengths == "list":  # and targets concatenated, the 1-d form
+        targets = torch.randint(1, 5, (sum(target_lengths),))
+    else:
+        targets = torch.randint(1, 5, (3, 4))
+        dtype = torch.int32 if lengths == "int32 tensor" else torch.int64
+        input_lengths = torch.tensor(input_lengths, dtype=dtype)
+        target_lengths = torch.tensor(target_lengths, dtype=dtype)
+
+    def loss_and_grad(device):
+        x = log_probs.to(device).requires_grad_()
+        loss = torch.nn.functional.ctc_loss(
+            x, targets.to(device), input_lengths, target_lengths, reduction=reduction
+        )
+        loss.sum().backward()
+        return loss, x.grad
+
+    assert_same(loss_and_grad("tpu"), loss_and_grad("cpu"), rtol=1e-5, atol=1e-5)
+
+
+_RANDOM_OUT = {
+    # name: (factory with out=, the same factory making its own tensor, out's dtype)
+    "rand": (lambda **k: torch.rand(2, 3, **k), torch.float32),
+    "rand float64": (lambda **k: torch.rand(4, **k), torch.float64),
+    "randn": (lambda **k: torch.randn(5, **k), torch.float32),
+    "randint": (lambda **k: torch.randint(7, (6,), **k), torch.int64),
+    "randint low": (lambda **k: torch.randint(3, 9, (2, 3), **k), torch.int64),
+    "randint float": (lambda **k: torch.randint(3, 9, (6,), **k), torch.float32),
+    "randperm": (lambda **k: torch.randperm(7, **k), torch.int64),
+    "randperm float": (lambda **k: torch.randperm(7, **k), torch.float32),
+    "normal": (lambda **k: torch.normal(2.0, 3.0, (4,), **k), torch.float32),
+}
+
+
+def _draw(factory, seeded_generator: bool, **kwargs):
+    if seeded_generator:
+        kwargs["generator"] = torch.Generator(kwargs["device"]).manual_seed(5)
+    else:
+        torch.manual_seed(5)
+    return factory(**kwargs)
+
+
+@pytest.mark.parametrize("seeded_generator", [False, True])
+@pytest.mark.parametrize("name", list(_RANDOM_OUT))
+def test_random_factories_resize_an_empty_out(mode, name, seeded_generator):
+    """torch.rand(3, out=torch.empty(0, device="tpu")) resizes the out tensor and draws
+    what torch.rand(3, device="tpu") draws, as the CPU does (it raised a size mismatch:
+    rand, randint and randperm ran on the CPU fallback, which did not resize)."""
+    factory, dtype = _RANDOM_OUT[name]
+    results = {}
+    for device in ("cpu", "tpu"):
+        out = torch.empty(0, dtype=dtype, device=device)
+        returned = _draw(factory, seeded_generator, out=out, device=device)
+        assert returned is out
+        made = _draw(factory, seeded_generator, device=device, dtype=dtype)
+        torch.testing.assert_close(out.cpu(), made.cpu(), rtol=1e-6, atol=1e-6)
+        results[device] = out
+    cpu, tpu = results["cpu"], results["tpu"]
+    assert tpu.device.type == "tpu" and tpu.dtype == cpu.dtype and tpu.shape == cpu.shape
+    assert tpu.stride() == cpu.stride()
+    if name.startswith("randperm"):
+        assert torch.equal(tpu.cpu().sort().values, cpu.sort().values)
+    elif name.startswith("randint"):
+        low = 3 if "low" in name or "float" in name else 0
+        assert bool(((tpu.cpu() >= low) & (tpu.cpu() < (7 if low == 0 else 9))).all())
+
+
+def test_random_factories_resize_an_out_with_elements_as_the_cpu(mode):
+    """torch's rand, randint and randperm kernels resize a full out tensor silently
+    (``resize_``, not resize_output's deprecation warning): so does tpu."""
+    for device in ("cpu", "tpu"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            out = torch.rand(3, out=torch.empty(5, device=device))
+            ints = torch.randint(4, (2,), out=torch.empty(3, dtype=torch.int64, device=device))
+        assert out.shape == (3,) and ints.shape == (2,)
+        into = torch.zeros(2, 4, dtype=torch.int64, device=device)
+        torch.randperm(4, out=into[1])  # a view: written through it
+        assert into[0].tolist() == [0, 0, 0, 0] and sorted(into[1].tolist()) == [0, 1, 2, 3]
+
+
+def _convert_while_graph_alive(device, convert):
+    """A conv + BatchNorm1d model converted between its forward and backward, as in
+    ``conv.to(memory_format=torch.channels_last)``: its outputs, gradients, strides."""
+    torch.manual_seed(0)
+    conv = torch.nn.Conv2d(3, 4, 3).to(device)
+    norm = torch.nn.BatchNorm1d(4).to(device)
+    params = [*conv.parameters(), *norm.parameters()]
+    accumulated = []
+    conv.weight.register_post_accumulate_grad_hook(lambda p: accumulated.append(p.grad.sum()))
+    x = torch.randn(2, 2, 3, 6, 6).to(device)
+    y = norm(conv(x[0]).mean((2, 3)))
+    convert(conv, norm, device)  # y's graph holds the parameters
+    y.square().sum().backward()
+    assert all(a is b for a, b in zip([*conv.parameters(), *norm.parameters()], params))
+    assert all(p.grad is not None for p in params) and len(accumulated) == 1
+    z = norm(conv(x[1]).mean((2, 3)))
+    return (y, z, *[p.grad for p in params]), conv.weight.stride()
+
+
+_CONVERSIONS = {
+    "channels_last": lambda conv, norm, d: conv.to(memory_format=torch.channels_last),
+    "to its own device": lambda conv, norm, d: (conv.to(d), norm.to(d)),
+    "half and back": lambda conv, norm, d: (norm.half(), norm.float()),
+}
+
+
+@pytest.mark.parametrize("conversion", list(_CONVERSIONS))
+def test_converting_a_module_after_a_forward_pass(mode, conversion):
+    """Module conversions while a forward's graph is alive work as on the CPU (on tpu
+    torch swapped the parameters, which it refuses while a graph saves them:
+    "Couldn't swap Conv2d.weight")."""
+    from conftest import assert_same
+
+    expected, cpu_stride = _convert_while_graph_alive("cpu", _CONVERSIONS[conversion])
+    actual, tpu_stride = _convert_while_graph_alive("tpu", _CONVERSIONS[conversion])
+    assert tpu_stride == cpu_stride
+    # (the conv bias's gradient through batch norm is zero, up to rounding)
+    assert_same(actual, expected, rtol=1e-4, atol=1e-4)

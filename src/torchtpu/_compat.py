@@ -104,6 +104,34 @@ def dynamo_inline_when_called(trace_rules, module) -> None:
 # torch`` loads torchtpu, and JAX starts only when a tpu tensor needs it.
 
 
+def split_module_returning_tuples(gm, partition):
+    """``torch.fx.passes.split_module`` with every submodule returning a tuple, however
+    many outputs it has (compile/segments.py calls them alike). torch 2.12 added its
+    ``tuple_return``; on 2.11 a one-output submodule returns its value, and is made to
+    return a 1-tuple here, its caller reading item 0."""
+    import operator
+
+    from torch.fx.passes.split_module import split_module
+
+    if torch_at_least(2, 12):
+        return split_module(gm, None, partition, tuple_return=True)
+    split = split_module(gm, None, partition)
+    for node in list(split.graph.nodes):
+        if node.op != "call_module":
+            continue
+        child = getattr(split, node.target)
+        output = next(n for n in child.graph.nodes if n.op == "output")
+        if isinstance(output.args[0], (tuple, list)):
+            continue
+        output.args = ((output.args[0],),)
+        child.recompile()
+        with split.graph.inserting_after(node):
+            first = split.graph.call_function(operator.getitem, (node, 0))
+        node.replace_all_uses_with(first, delete_user_cb=lambda user, first=first: user is not first)
+    split.recompile()
+    return split
+
+
 def jax_backends_started() -> bool:
     """Whether JAX has initialised its backends (jax._src.xla_bridge, JAX 0.4 to 0.10)."""
     from jax._src import xla_bridge
@@ -116,3 +144,11 @@ def jaxprs_in_params(params):
     from jax._src import core
 
     return core.jaxprs_in_params(params)
+
+
+def jax_distributed_client():
+    """The client of JAX's coordination service that ``jax.distributed.initialize``
+    connected (its key-value store; jax._src.distributed, JAX 0.4 to 0.10), or None."""
+    from jax._src import distributed
+
+    return distributed.global_state.client

@@ -111,6 +111,11 @@ distributed_coordinator: str | None = os.environ.get("TORCHTPU_DIST_COORDINATOR"
 #: them (TORCHTPU_DIST_CHECK=0).
 distributed_check: bool = _env_flag("TORCHTPU_DIST_CHECK", True)
 
+#: Seconds after which a rank whose heartbeat has stopped (killed, its host lost) counts
+#: as gone: a rank waiting for it in a collective then raises DistBackendError naming it
+#: (Note [Liveness] in distributed/liveness.py). 0 turns the watching off.
+distributed_liveness_timeout: float = float(os.environ.get("TORCHTPU_DIST_LIVENESS_TIMEOUT", "30"))
+
 #: A directory holding the ``libtpu`` package, for checking on a machine without a TPU
 #: what XLA:TPU makes of torchtpu's programs (conformance/xla_tpu.py). Kept off
 #: ``sys.path`` on purpose: with libtpu importable, JAX tries to start a TPU backend.

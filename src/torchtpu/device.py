@@ -336,6 +336,8 @@ _FACTORIES = (
     "arange",
     "arange.start",
     "arange.start_step",
+    "range",
+    "range.step",
     "eye",
     "eye.m",
     "linspace",
@@ -396,6 +398,33 @@ def _copy_from(self, dst, non_blocking=False):
     return load_runtime()(torch.ops.aten.copy_.default, (dst, self, non_blocking), {})
 
 
+def _local_scalar_dense(self):
+    # ``torch.tensor([v.sum(), v.mean()])`` reads each 0-d tpu element with .item() while
+    # torch has Python dispatch excluded (as it fills a new tensor): the result is a CPU
+    # tensor of the values, as on CUDA.
+    return load_runtime()(torch.ops.aten._local_scalar_dense.default, (self,), {})
+
+
+def _ctc_loss_lengths_on_device(
+    log_probs, targets, input_lengths, target_lengths, blank=0, reduction=1, zero_infinity=False
+):
+    # F.ctc_loss takes length tensors on the CPU (documented; CUDA takes them). torch's
+    # definition reads them there on a fast path that tensor subclasses skip; on theirs
+    # (the lengths as tensors, autograd through _ctc_loss) the mean reduction divides by
+    # target_lengths, so they must be on the device of log_probs. Copied there (values,
+    # not constants: other lengths compile no new program).
+    device = log_probs.device
+    return torch.ops.aten.ctc_loss.Tensor.decompose(
+        log_probs,
+        targets,
+        input_lengths.to(device),
+        target_lengths.to(device),
+        blank,
+        reduction,
+        zero_infinity,
+    )
+
+
 def _factory_kernel(op):
     def kernel(*args, **kwargs):
         return load_runtime()(op, args, kwargs)
@@ -443,6 +472,8 @@ def register() -> None:
     _library.impl("empty.memory_format", _empty_memory_format, "PrivateUse1")
     _library.impl("empty_strided", _empty_strided, "PrivateUse1")
     _library.impl("_copy_from", _copy_from, "PrivateUse1")
+    _library.impl("_local_scalar_dense", _local_scalar_dense, "PrivateUse1")
+    _library.impl("ctc_loss.Tensor", _ctc_loss_lengths_on_device, "AutogradPrivateUse1")
     for name in _QUANTIZED_ALLOCATIONS:
         _library.impl(name, _quantized_allocation, "QuantizedPrivateUse1")
     for name in _FACTORIES:
@@ -452,9 +483,11 @@ def register() -> None:
     pinned.register(_library)
     torch.Generator = rng.Generator
     # The legacy capsule of a tpu tensor is its jax array's (tensor.py to_dlpack).
-    from torchtpu.tensor import to_dlpack
+    from torchtpu.tensor import swap_tensors, to_dlpack
 
     torch.utils.dlpack.to_dlpack = torch.to_dlpack = to_dlpack
+    # Note [Converting a module's tpu parameters] (tensor.py)
+    torch.utils.swap_tensors = swap_tensors
     serialization.register()
     _use_foreach_kernels()
     memory.route_accelerator_functions()

@@ -274,6 +274,40 @@ def to_dlpack(tensor: torch.Tensor):
     return _torch_to_dlpack(tensor)
 
 
+# Note [Converting a module's tpu parameters]
+#     torch converts a module's parameters in place (``model.to(...)``, ``.half()``,
+#     ``.to(memory_format=torch.channels_last)``) with ``param.data = new`` where the new
+#     tensor's TensorImpl type matches the old one's (CPU -> CPU, CUDA -> CUDA), and
+#     with ``torch.utils.swap_tensors`` for traceable wrapper subclasses, which TPUTensor
+#     is for torch.compile. Swapping TensorImpls refuses a parameter that a live autograd
+#     graph has saved (a forward's output still held: "Couldn't swap Conv2d.weight") and
+#     otherwise poisons the parameter's AccumulateGrad for that graph, where the CPU
+#     converts and back-propagates. So between two tpu tensors, swap_tensors exchanges
+#     their data as ``.data =`` does (the `TPUTensor.data` setter): each object keeps its
+#     TensorImpl, autograd state, hooks and attributes, as a CPU parameter does. From
+#     the CPU (``model.to("tpu")``) torch's swap remains: a CPU TensorImpl cannot take a
+#     tpu tensor's data, so the Parameter objects are kept that way.
+
+_torch_swap_tensors = torch.utils.swap_tensors
+
+
+def swap_tensors(t1: torch.Tensor, t2: torch.Tensor) -> None:
+    """``torch.utils.swap_tensors``, which device.py installs in its place: between two
+    tpu tensors, an exchange of their data (Note [Converting a module's tpu parameters])."""
+    if (
+        type(t1) is TPUTensor
+        and type(t2) is TPUTensor
+        and t1._inner is None
+        and t2._inner is None
+        and torch._has_compatible_shallow_copy_type(t1, t2)
+    ):
+        data = t1.data
+        t1.data = t2.data
+        t2.data = data
+        return
+    _torch_swap_tensors(t1, t2)
+
+
 # Note [Saving views]
 #     torch.save keeps tensors that share a storage sharing it in the file (a CPU
 #     tensor pickles as its storage, saved once, and its offset, size and strides), and

@@ -26,8 +26,8 @@ from __future__ import annotations
 
 import torch
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
-from torch.fx.passes.split_module import split_module
 
+from torchtpu._compat import split_module_returning_tuples
 from torchtpu.compile.program import flatten_values, unflatten_values
 from torchtpu.observe import metrics
 
@@ -76,8 +76,8 @@ class Segmented:
 
     def __init__(self, gm: torch.fx.GraphModule, program_of):
         partition = _partitions(gm)
-        # tuple_return: every segment returns a tuple, whatever its number of outputs.
-        self._split = split_module(gm, None, lambda node: partition[node], tuple_return=True)
+        # Every segment returns a tuple, whatever its number of outputs.
+        self._split = split_module_returning_tuples(gm, lambda node: partition[node])
         for name, part in list(self._split.named_children()):
             if reads_values(part):  # partitions 2k + 1 hold only the reads
                 setattr(self._split, name, _ReadSegment(part))

@@ -69,6 +69,7 @@ class Plan:
         "returns",
         "single",
         "written_slots",
+        "written_arrays",
         "check_infos",
         "random",
         "compiled",
@@ -91,6 +92,8 @@ def build(op, lowering, info_: SchemaInfo, rules, values: list, call: Call) -> P
     needs_meta = all(r.is_tensor for r in info_.returns) and lowering.meta != "skip"
     meta_out = oracle.run_meta(op, info_, margs) if needs_meta else None
     oracle.check_dtypes_as_cpu(op, info_, margs)
+    oracle.check_overlap_as_cpu(op, info_, values)
+    oracle.check_complex_as_cpu(op, info_, margs)
     if lowering.meta == "checks_only":
         meta_out = None
 
@@ -170,6 +173,12 @@ def build(op, lowering, info_: SchemaInfo, rules, values: list, call: Call) -> P
         if t[0] == "write" and t[1] not in written:
             written.append(t[1])
     plan.written_slots = written
+    # Per written storage: its position among the plan's array arguments, or None for
+    # an uninitialised storage (the plan makes its base; no argument holds it).
+    plan.written_arrays = tuple(
+        None if slots[i] is not None else sum(1 for s in slots[:i] if s is None)
+        for i in written
+    )
     precision = _precision.lax_precision(_precision.current()) if lowering.precision else None
     check_overlap = not lowering.writes_expanded
     kinds = rules.kinds

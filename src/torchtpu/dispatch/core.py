@@ -14,7 +14,8 @@ For each op overload, once, a *handler* is chosen (`_choose`), in this order:
 4. a decomposition: torch's own CompositeImplicitAutograd definition, else one from
    ``torch._decomp``, into ops that have lowerings;
 5. for a mutating op, its functional variant's decomposition followed by ``copy_``;
-   for another library's op, its own PrivateUse1 kernel (FSDP2's ``fsdp.*`` copies);
+   for an ``out=`` factory (``rand.out``), the factory followed by ``copy_``; for
+   another library's op, its own PrivateUse1 kernel (FSDP2's ``fsdp.*`` copies);
 6. the CPU fallback (fallback.py): counted, warned once per op, or an error.
 """
 
@@ -28,7 +29,7 @@ import torch
 from torchtpu import rng
 from torchtpu import storage as storage_module
 from torchtpu import tensor as tensor_module
-from torchtpu.dispatch import backward_errors, out_tensors, plans, schema
+from torchtpu.dispatch import backward_errors, factory_out, out_tensors, plans, schema
 from torchtpu.dispatch import meta as oracle
 from torchtpu.dispatch.fallback import run_on_cpu
 from torchtpu.dispatch.special import SPECIAL, run_on_host
@@ -297,6 +298,9 @@ def _choose(func):
         if lowering.view:
             return view_handler(info, lowering)
         return plans.lowered_handler(plans.Entry(func, lowering, info))
+    if func._schema.name in factory_out.SEQUENCES and info.out_args:
+        # before torch's decompositions, which resize where the CPU kernels do not
+        return factory_out.handler(info, schema.factory_variant(func))
     functional = schema.functional_variant(func)
     if functional is not None and (
         info.out_args or not schema.same_argument_order(func, functional)
@@ -319,6 +323,10 @@ def _choose(func):
         decomposition = _decompositions().get(functional)
         if decomposition is not None or functional in SPECIAL:
             return _functional_then_copy_handler(info, functional)
+    factory = schema.factory_variant(func)
+    if factory is not None:
+        # ``torch.rand(3, out=o)``: the factory, then copied into o (resized first).
+        return factory_out.handler(info, factory)
     if func.namespace != "aten" and torch._C._dispatch_has_kernel_for_dispatch_key(
         func.name(), "PrivateUse1"
     ):

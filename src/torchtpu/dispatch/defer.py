@@ -101,8 +101,8 @@ class FunctionOp:
     outputs, then the flags of its value checks (``check_infos``)."""
 
     __slots__ = (
-        "op", "uid", "fn", "call", "avals", "outputs", "written_slots", "check_infos",
-        "compiled", "names",
+        "op", "uid", "fn", "call", "avals", "outputs", "written_slots", "written_arrays",
+        "check_infos", "compiled", "names",
     )  # fmt: skip
 
     def __init__(self, name: str, fn, call, avals: list, check_infos=()):
@@ -111,7 +111,7 @@ class FunctionOp:
         self.call = call  # called alone: a queue of this one op (Note [A chunk of one op])
         self.avals = avals  # (shape, dtype) of each output
         self.outputs = avals
-        self.written_slots = ()
+        self.written_slots = self.written_arrays = ()
         self.check_infos = list(check_infos)
         self.compiled = True  # ``call`` runs programs compiled (and counted) elsewhere
         self.names = None  # no schema (see _describe_change)
@@ -141,49 +141,77 @@ def record(plan, args: list, out_avals: list, where: str | None, device: int) ->
     with _lock:
         q = _threads.by_device.get(device) or _queue(device)
         position = len(q.plans)
-        refs = []
-        externals = q.externals
-        for a in args:
-            if type(a) is Pending:
-                if a.queue is q and a.value is None:
-                    refs.append((1, a.node, a.index))
-                    continue
-                if a.value is None and a.error is None:
-                    flush_pending(a, "value from another queue")
-                a = a.resolved()
-            if hasattr(a, "shape"):  # a concrete array: one chunk input however often used
-                slot = q.external_slot.get(id(a))
-                if slot is None:
-                    # externals keeps the array alive, so its id() stays its own
-                    slot = q.external_slot[id(a)] = len(externals)
-                    externals.append(a)
-                refs.append((0, slot, 0))
-            else:  # a traced Python scalar
-                refs.append((0, len(externals), 0))
-                externals.append(a)
-        refs = tuple(refs)
-        if len(out_avals) == 1:
-            shape, dtype = out_avals[0]
-            outputs = [Pending(position, 0, shape, dtype, q)]
-            q.outputs.append([weakref.ref(outputs[0])])
-        else:
-            outputs = [Pending(position, i, s, d, q) for i, (s, d) in enumerate(out_avals)]
-            q.outputs.append([weakref.ref(p) for p in outputs])
-        written = plan.written_slots
-        if written:
-            n_out = len(plan.outputs)
-            for j, slot in enumerate(written):
-                kind, a, _ = refs[slot]
-                if kind == 0:
-                    q.replaced_by.setdefault(a, (position, n_out + j))
-        q.plans.append(plan)
-        q.refs.append(refs)
-        q.wheres.append(where)
-        q.key.append(plan.uid)
-        q.key.append(refs)
+        n_externals = len(q.externals)
+        try:
+            outputs = _append(q, plan, args, out_avals, where, position)
+        except BaseException:
+            _forget(q, position, n_externals)  # an op that failed to record left no trace
+            raise
         if position + 1 >= config.defer_max_ops:
             _flush_full(q)
         return outputs
+
+
+def _append(q: _Queue, plan, args: list, out_avals: list, where, position: int) -> list:
+    """Add one op to ``q``: its references to inputs, its Pendings, its part of the key."""
+    refs = []
+    externals = q.externals
+    for a in args:
+        if type(a) is Pending:
+            if a.queue is q and a.value is None:
+                refs.append((1, a.node, a.index))
+                continue
+            if a.value is None and a.error is None:
+                flush_pending(a, "value from another queue")
+            a = a.resolved()
+        if hasattr(a, "shape"):  # a concrete array: one chunk input however often used
+            slot = q.external_slot.get(id(a))
+            if slot is None:
+                # externals keeps the array alive, so its id() stays its own
+                slot = q.external_slot[id(a)] = len(externals)
+                externals.append(a)
+            refs.append((0, slot, 0))
+        else:  # a traced Python scalar
+            refs.append((0, len(externals), 0))
+            externals.append(a)
+    refs = tuple(refs)
+    if len(out_avals) == 1:
+        shape, dtype = out_avals[0]
+        outputs = [Pending(position, 0, shape, dtype, q)]
+        q.outputs.append([weakref.ref(outputs[0])])
+    else:
+        outputs = [Pending(position, i, s, d, q) for i, (s, d) in enumerate(out_avals)]
+        q.outputs.append([weakref.ref(p) for p in outputs])
+    if plan.written_arrays:
+        n_out = len(plan.outputs)
+        for j, argument in enumerate(plan.written_arrays):
+            if argument is None:  # an uninitialised storage: no input array to replace
+                continue
+            kind, a, _ = refs[argument]
+            if kind == 0:
+                q.replaced_by.setdefault(a, (position, n_out + j))
+    q.plans.append(plan)
+    q.refs.append(refs)
+    q.wheres.append(where)
+    q.key.append(plan.uid)
+    q.key.append(refs)
+    return outputs
+
+
+def _forget(q: _Queue, position: int, n_externals: int) -> None:
+    """Drop what recording the op at ``position`` added to ``q`` before it failed: the
+    queue's lists stay parallel, one entry per op (issue #31: a half-recorded op
+    shifted every later op's outputs)."""
+    for name in ("plans", "refs", "outputs", "wheres"):
+        del getattr(q, name)[position:]
+    del q.key[2 * position :]
+    del q.externals[n_externals:]
+    for key, slot in list(q.external_slot.items()):
+        if slot >= n_externals:
+            del q.external_slot[key]
+    for slot, node in list(q.replaced_by.items()):
+        if node[0] >= position:
+            del q.replaced_by[slot]
 
 
 # -- flushing ---------------------------------------------------------------------------------
@@ -294,7 +322,28 @@ def _flush(q: _Queue, reason: str) -> None:
             return  # flushed already, by another thread or from inside this flush
         # Reentrancy: anything recorded from here on goes to a new chunk.
         q.home[q.device] = _Queue(q.device, q.home)
-        _run(q, reason)
+        _run_or_invalidate(q, reason)
+
+
+def _run_or_invalidate(q: _Queue, reason: str, needed=()) -> dict:
+    """`_run`, and if it fails anywhere (tracing, compiling, running, an interrupt),
+    every value of the queue not handed out yet holds the error: reading it raises,
+    naming the failed op, and no tensor is left holding a value that will never come."""
+    try:
+        return _run(q, reason, needed)
+    except BaseException as exc:
+        _invalidate(q.outputs, exc)
+        raise
+
+
+def _invalidate(outputs: list, error: BaseException) -> None:
+    """Give ``error`` to every Pending of ``outputs`` (per op, weak references) whose
+    queue will never produce it."""
+    for refs in outputs:
+        for ref in refs:
+            pending = ref()
+            if pending is not None and not pending.node_done():
+                pending.error = error
 
 
 # Note [Where a full queue is cut]
@@ -327,7 +376,11 @@ def _flush_full(q: _Queue) -> None:
         needed = list({(a, b): None for refs in q.refs[cut:] for kind, a, b in refs
                        if kind == 1 and a < cut})  # fmt: skip
         tail = q.home[q.device] = _Queue(q.device, q.home)
-        values = _run(head, "queue full", needed)
+        try:
+            values = _run_or_invalidate(head, "queue full", needed)
+        except BaseException as exc:
+            _invalidate(q.outputs[cut:], exc)  # the ops after the cut read the head's values
+            raise
         for position in range(cut, n):
             refs = []
             for kind, a, b in q.refs[position]:
@@ -597,7 +650,8 @@ def _annotate(exc: Exception, q: _Queue) -> Exception:
     """The error of a failed chunk, naming the op and the user line that recorded it."""
     if isinstance(exc, _NodeError):
         cause = exc.cause
-        where = q.wheres[exc.position] or "an unknown line"
+        # (the line is kept only for ops with value checks: a stack walk per op costs)
+        where = q.wheres[exc.position] or "a line Debug mode names"
         cause.add_note(
             f"torchtpu: raised by {q.plans[exc.position].op} recorded at {where} (DeferAndFuse)"
         )

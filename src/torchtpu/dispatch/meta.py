@@ -141,6 +141,82 @@ def check_dtypes_as_cpu(op, info: SchemaInfo, margs: list) -> None:
         raise name_op(error, op) from None
 
 
+def check_complex_as_cpu(op, info: SchemaInfo, margs: list) -> None:
+    """Raise the CPU kernel's refusal of complex input (``torch.maximum``, ``max``,
+    ``sort``, ``clamp`` ... are not implemented for complex tensors; their meta kernels
+    accept them). A call with a complex tensor is replayed on CPU zeros, once per
+    signature."""
+    leaves = torch.utils._pytree.tree_leaves(margs)
+    if not any(isinstance(t, torch.Tensor) and t.is_complex() for t in leaves):
+        return
+    args, kwargs = info.split(margs)
+    with torch.random.fork_rng(devices=[]):  # a random op's replay draws from the CPU's
+        error = as_on_cpu(op, args, kwargs, None, _DTYPE_REPLAY_ELEMENTS)
+    if isinstance(error, NotImplementedError) or (
+        error is not None and "complex" in str(error).lower()
+    ):
+        raise name_op(error, op) from None
+
+
+# Note [In-place ops on overlapping memory]
+#     torch's CPU kernels refuse an in-place op whose input partly overlaps the tensor
+#     it writes (``x[1:].add_(x[:-1])``: TensorIterator's memory-overlap check); meta
+#     tensors share no memory, so the oracle cannot see it. Where a written argument
+#     shares a storage with another argument -- part of the plan's key, so this runs
+#     once per signature -- the call is replayed on CPU zeros laid out in one buffer per
+#     storage, and an overlap error the CPU raises is raised here. (``out=`` tensors
+#     are checked in out_tensors.py.)
+
+
+def check_overlap_as_cpu(op, info: SchemaInfo, values: list) -> None:
+    """Raise the CPU kernel's memory-overlap error for an in-place call whose input
+    overlaps what it writes (Note [In-place ops on overlapping memory])."""
+    written = [i for i in info.mutable if i not in info.out_args]
+    if not written:
+        return
+    leaves = [(i, t) for i, v in enumerate(values) for t in _tensor_leaves(v)]
+    written_storages = {id(t._storage) for i, t in leaves if i in written}
+    if not any(i not in written and id(t._storage) in written_storages for i, t in leaves):
+        return
+    groups: dict[int, list] = {}
+    for _, t in leaves:
+        groups.setdefault(id(t._storage), []).append(t)
+    buffers = {}
+    for key, tensors in groups.items():
+        if len({t.dtype for t in tensors}) > 1:
+            return  # views of another dtype (x.view(torch.int32)): not replayed
+        extent = max(
+            t.storage_offset() + sum((n - 1) * st for n, st in zip(t.shape, t.stride())) + 1
+            for t in tensors
+        )
+        if extent > _DTYPE_REPLAY_ELEMENTS:
+            return
+        buffers[key] = torch.zeros(max(extent, 0), dtype=tensors[0].dtype)
+
+    def on_cpu(value):
+        if _is_tpu_tensor(value):
+            return buffers[id(value._storage)].as_strided(
+                value.shape, value.stride(), value.storage_offset()
+            )
+        return value
+
+    args, kwargs = info.split([torch.utils._pytree.tree_map(on_cpu, v) for v in values])
+    try:
+        with torch.random.fork_rng(devices=[]):  # a random op's replay draws from the CPU's
+            op(*args, **kwargs)
+    except RuntimeError as cpu_error:
+        if "memory location" in str(cpu_error):
+            raise name_op(cpu_error, op) from None
+
+
+def _is_tpu_tensor(value) -> bool:
+    return isinstance(value, torch.Tensor) and getattr(value, "_storage", None) is not None
+
+
+def _tensor_leaves(value) -> list:
+    return [t for t in torch.utils._pytree.tree_leaves(value) if _is_tpu_tensor(t)]
+
+
 # Below this many elements, a call the meta kernel rejected is replayed on CPU zeros.
 _CPU_REPLAY_ELEMENTS = 1 << 20
 # The dtype checks replay calls of any size a host holds easily: most of them fail at

@@ -22,7 +22,12 @@ class Pending:
     def resolved(self):
         """The concrete array (after its flush), raising its chunk's error if it failed."""
         if self.error is not None:
+            error = self.error
+            notes = "; ".join(getattr(error, "__notes__", ()))  # the failed op, its line
             raise RuntimeError(
-                f"this tensor's value was never computed: {self.error}"
-            ) from self.error
+                f"this tensor's value was never computed: {type(error).__name__}: {error}"
+                + (f" ({notes})" if notes else "")
+            ) from error
+        if self.value is None:  # never reached: a flush sets value or error
+            raise RuntimeError("torchtpu: internal error: a deferred value its queue never ran")
         return self.value

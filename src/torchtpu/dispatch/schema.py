@@ -189,3 +189,28 @@ def functional_variant(op: torch._ops.OpOverload) -> torch._ops.OpOverload | Non
             if sorted(_signature(candidate, skip_mutable=False)) == sorted(wanted):
                 return candidate
     return None
+
+
+# What a factory takes that its out= form gets from the out tensor.
+_TENSOR_OPTIONS = frozenset({"dtype", "layout", "device", "pin_memory"})
+
+
+@functools.cache
+def factory_variant(op: torch._ops.OpOverload) -> torch._ops.OpOverload | None:
+    """The factory an ``out=`` op fills its out tensor with, which `functional_variant`
+    does not find because it also takes tensor options: ``rand.out`` -> ``rand.default``,
+    ``randint.low_generator_out`` -> ``randint.low_generator``, ``rand_like.out`` ->
+    ``rand_like.default``. Its arguments are the op's (but ``out``) and tensor options."""
+    if not info(op).out_args:
+        return None
+    wanted = set(_signature(op, skip_mutable=True))
+    packet = getattr(aten, op._schema.name.split("::", 1)[1], None)
+    for overload_name in packet.overloads() if packet is not None else ():
+        candidate = getattr(packet, overload_name)
+        if info(candidate).mutable:
+            continue
+        signature = _signature(candidate, skip_mutable=False)
+        names = {name for name, _ in signature}
+        if "device" in names and {a for a in signature if a[0] not in _TENSOR_OPTIONS} == wanted:
+            return candidate
+    return None

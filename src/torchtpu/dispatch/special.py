@@ -308,6 +308,18 @@ def _set_source_storage(func, args, kwargs):
 _CPU_KEYS = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
 
 
+def _torch_kernel_for_every_device(func, args, kwargs):
+    """torch's own kernel, which it defines for every device in torch ops
+    (CompositeExplicitAutograd), run on tpu as on CUDA. ``_pack_padded_sequence`` reads
+    its CPU ``lengths`` and makes ``batch_sizes`` on the CPU, where PackedSequence and
+    the packed RNN kernels read it; its data comes from slices and a cat of the input,
+    on the device. (The CPU fallback would move ``batch_sizes`` to tpu.)"""
+    return func.redispatch(_PRIVATEUSE1_KEYS, *args, **kwargs)
+
+
+_PRIVATEUSE1_KEYS = torch._C.DispatchKeySet(torch._C.DispatchKey.PrivateUse1)
+
+
 def _native_batch_norm(func, args, kwargs):
     """native_batch_norm updates the running stats in place although its schema does
     not say so; _native_batch_norm_legit is the same op with an honest schema."""
@@ -343,6 +355,7 @@ def _no_nested_tensors(func, args, kwargs):
 
 SPECIAL = {
     aten.native_batch_norm.default: _native_batch_norm,
+    aten._pack_padded_sequence.default: _torch_kernel_for_every_device,
     aten._to_copy.default: _to_copy,
     aten.copy_.default: _copy_,
     aten.copy.default: _copy,

@@ -27,6 +27,7 @@ from typing import NamedTuple
 import numpy as np
 
 from torchtpu import runtime, tracing
+from torchtpu.distributed import liveness
 from torchtpu.observe import metrics
 
 AXIS = tracing.MESH_AXIS
@@ -75,7 +76,8 @@ def run(spec: Spec, arrays) -> list:
         # trace nor the program's mesh is JAX's context, so nothing is staged.
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             return pool.submit(program, arrays).result()
-    return program(arrays)
+    with liveness.waiting(spec.kind, [d.process_index for d in spec.devices]):
+        return program(arrays)
 
 
 def _in_trace(trace, spec: Spec, arrays) -> list:

@@ -17,6 +17,7 @@ import sys
 from datetime import timedelta
 
 from torchtpu import config, runtime
+from torchtpu.distributed import liveness
 
 _COORDINATOR_KEY = "torchtpu/jax_coordinator"
 
@@ -59,7 +60,12 @@ def initialize(store, rank: int, world_size: int, timeout: timedelta) -> None:
             initialization_timeout=max(int(timeout.total_seconds()), 1),
             **kwargs,
         )
-        _exit_at_once_on_failure()
+        # Start the backend now, while every rank is here: on the CPU its start waits
+        # for every process's topology, so a rank that leaves right after
+        # init_process_group would hold the others' first tpu tensor for minutes.
+        runtime.devices()
+        liveness.start(rank, world_size)
+        _exit_at_once_on_failure(rank)
         if os.environ.get("TORCHELASTIC_RUN_ID") is not None:
             # Note [SIGTERM under torchrun]: JAX's runtime catches SIGTERM (a notice of
             # preemption, for its preemption sync), so a rank torchrun stops after a
@@ -68,26 +74,37 @@ def initialize(store, rank: int, world_size: int, timeout: timedelta) -> None:
     _initialized = (world_size, rank)
 
 
-def _exit_at_once_on_failure() -> None:
+def _exit_at_once_on_failure(rank: int) -> None:
     """Note [A failing rank exits at once]
     At exit, ``jax.distributed`` waits for every process at a shutdown barrier (up to
     300 s). A rank leaving with an uncaught exception would wait there for peers that
     are themselves waiting for it in a collective, and the launch would hang instead
     of torchrun seeing the failure and stopping the others. So after an uncaught
-    exception (its traceback printed as usual) the process exits with status 1
-    before JAX's exit handler runs; a normal exit keeps the barrier."""
+    exception (its traceback printed as usual) the process tells the other ranks how it
+    failed and exits with status 1 before JAX's exit handler runs. A rank whose program
+    ends tells them it exited and waits until they have all left before it reaches the
+    barrier; if one of them fails or is gone first, it exits with status 1 at once
+    (Note [Liveness] in liveness.py: the ranks still waiting for it raise an error).
+    Rank 0 hosts JAX's coordination service, whose end aborts the other processes: a
+    failing rank 0 first lingers a moment, so that they can raise their own error."""
     previous = sys.excepthook
     failed = []
 
     def hook(kind, value, tb):
         failed.append(kind)
         previous(kind, value, tb)
+        liveness.leave(f"raised {kind.__name__}: {str(value)[:500]}")
 
     def leave() -> None:
-        if failed:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(1)
+        if not failed:
+            liveness.leave(liveness.EXITED)
+            if liveness.wait_for_the_others():
+                return
+        elif rank == 0:
+            liveness.linger()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
 
     sys.excepthook = hook
     atexit.register(leave)  # after JAX's own handler, so it runs before it

@@ -20,7 +20,13 @@ from torch._C._distributed_c10d import ProcessGroup, ReduceOp, _create_work_from
 from torchtpu import _compat, config, runtime
 from torchtpu.dispatch import defer
 from torchtpu.dispatch.values import OutMeta, contiguous, materialize, wrap
-from torchtpu.distributed import CollectiveMismatchError, collectives, fsdp_storage, functional
+from torchtpu.distributed import (
+    CollectiveMismatchError,
+    collectives,
+    fsdp_storage,
+    functional,
+    liveness,
+)
 from torchtpu.distributed.collectives import Spec
 from torchtpu.runtime.transfer import to_device, to_host
 from torchtpu.tensor import TPUTensor
@@ -98,10 +104,13 @@ class ProcessGroupTPU(ProcessGroup):
         seq, me = self._seq, self.rank()
         mine = (spec.kind, spec.op, spec.static, spec.avals)
         self._store.set(f"c/{seq}/{me}", pickle.dumps((mine, info)))
-        got = [
-            pickle.loads(v)
-            for v in self._store.multi_get([f"c/{seq}/{r}" for r in range(self.size())])
-        ]
+        keys = [f"c/{seq}/{r}" for r in range(self.size())]
+        owed = tuple(zip(self._global_ranks, keys, strict=True))
+        with liveness.waiting(spec.kind, self._global_ranks, self._store, owed):
+            got = [pickle.loads(v) for v in self._store.multi_get(keys)]
+        gone = {g.rank: g.how for g in got if isinstance(g, liveness.Gone)}
+        if gone:  # Note [Liveness]
+            raise liveness.error(self._global_ranks[me], gone, spec.kind)
         if seq > 1:
             # every rank has read the previous call's keys: it has entered this one
             self._store.delete_key(f"c/{seq - 1}/{me}")

@@ -831,6 +831,16 @@ def leaky_relu(self, negative_slope=0.01):
 
 @lowers(aten.leaky_relu_backward.default, promote="default", promote_args=("grad_output", "self"))
 def leaky_relu_backward(grad_output, self, negative_slope, self_is_result):
+    if self_is_result:  # the backward of leaky_relu_: the input is gone, its sign unknown
+        error_if(
+            negative_slope < 0,
+            RuntimeError,
+            "In-place leakyReLu backward calculation is triggered with a negative slope which "
+            "is not supported. This is caused by calling in-place forward function with a "
+            "negative slope, please call out-of-place version instead. File an issue at "
+            "https://github.com/pytorch/pytorch if you do require supporting in-place leakRelu "
+            "backward calculation with negative slope",
+        )
     return jnp.where(self > 0, grad_output, grad_output * cast(negative_slope, grad_output.dtype))
 
 

@@ -81,6 +81,18 @@ def _arange(start, end, step, dtype):
     return start + jnp.arange(length, dtype=jnp.float64) * step
 
 
+@lowers(aten.range.step, static=("start", "end", "step"))
+def range_step(start, end, step=1, dtype=None, layout=None, device=None, pin_memory=None):
+    """torch.range (deprecated): both ends included, computed in double."""
+    length = max(0, math.floor((end - start) / step) + 1)
+    return start + jnp.arange(length, dtype=jnp.float64) * step
+
+
+@lowers(aten.range.default, static=("start", "end"))
+def range_(start, end, dtype=None, layout=None, device=None, pin_memory=None):
+    return range_step(start, end, 1)
+
+
 @lowers(aten.arange.start_step, static=("start", "end", "step"))
 def arange_start_step(start, end, step=1, dtype=None, layout=None, device=None, pin_memory=None):
     return _arange(start, end, step, dtype)
@@ -121,6 +133,9 @@ def linspace(start, end, steps, dtype=None, layout=None, device=None, pin_memory
 
 @lowers(aten.logspace.default, static=("steps",))
 def logspace(start, end, steps, base=10.0, dtype=None, layout=None, device=None, pin_memory=None):
+    if dtype is not None and not dtype.is_floating_point and not dtype.is_complex:
+        # Integer logspace: torch truncates the exponents' ends to integers first.
+        start, end = (jnp.trunc(jnp.asarray(v, jnp.float64)) for v in (start, end))
     return jnp.power(base, _linspace(start, end, steps))
 
 

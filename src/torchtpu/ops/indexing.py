@@ -438,11 +438,6 @@ def unique_consecutive(self, return_inverse=False, return_counts=False, dim=None
     return _only_asked(result, return_inverse, return_counts)
 
 
-@jax.jit
-def _total(x):
-    return jnp.sum(x)
-
-
 @functools.partial(jax.jit, static_argnames=("size",))
 def _repeat_interleave_sized(repeats, size):
     return jnp.repeat(
@@ -450,10 +445,17 @@ def _repeat_interleave_sized(repeats, size):
     )
 
 
+@jax.jit
+def _total_and_least(x):
+    return jnp.sum(x), jnp.min(x, initial=0)
+
+
 @lowers(aten.repeat_interleave.Tensor, dynamic_shape=True)
 def repeat_interleave(repeats, output_size=None):
-    size = int(_total(repeats)) if output_size is None else output_size
-    return _repeat_interleave_sized(repeats, size=size)
+    total, least = (int(v) for v in _total_and_least(repeats))  # one read of the device
+    if least < 0:
+        raise RuntimeError("repeats can not be negative")
+    return _repeat_interleave_sized(repeats, size=total if output_size is None else output_size)
 
 
 @jax.jit

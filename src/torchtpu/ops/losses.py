@@ -268,6 +268,13 @@ def _bce(self, target, weight):
 
 @lowers(aten.binary_cross_entropy.default)
 def binary_cross_entropy(self, target, weight=None, reduction=_MEAN):
+    # torch's CPU kernel checks each element, input first (NaN fails too)
+    for name, value in (("input", self), ("target", target)):
+        error_if(
+            jnp.any(~((value >= 0) & (value <= 1))),
+            RuntimeError,
+            f"all elements of {name} should be between 0 and 1",
+        )
     x = opmath(self)
     return _reduce(_bce(x, opmath(target), weight), reduction)
 

@@ -789,10 +789,10 @@ def _bags(indices, offsets, include_last_offset, padding_idx):
 def _embedding_bag(
     weight, indices, offsets, mode, per_sample_weights, include_last_offset, padding_idx
 ):
-    error_if(
+    error_if(  # torch's CPU words (it names the first bad index and its value)
         jnp.any((indices < 0) | (indices >= weight.shape[0])),
-        IndexError,
-        "index out of range in self",
+        RuntimeError,
+        f"an index of input takes a value which is not in the valid range [0, {weight.shape[0]})",
     )
     num_bags, offset2bag, counted = _bags(indices, offsets, include_last_offset, padding_idx)
     bag = jnp.where(counted, offset2bag, num_bags)  # scatters drop the uncounted

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import torch
 from jax import lax
 
+from torchtpu import dtypes
 from torchtpu.ops.registry import aten, lowers
 from torchtpu.ops.util import flat_draw, opmath_dtype
 from torchtpu.ops.value_checks import error_if
@@ -28,14 +30,20 @@ def normal_tensor_float(mean, std=1.0, generator=None, *, key):
     return mean + std * flat_draw(jax.random.normal, key, mean.shape, dtype=work)
 
 
+def _check_stds(std):
+    error_if(jnp.any(std < 0), RuntimeError, "normal expects all elements of std >= 0.0")
+
+
 @lowers(aten.normal.float_Tensor, random=True)
 def normal_float_tensor(mean, std, generator=None, *, key):
+    _check_stds(std)
     work = opmath_dtype(std.dtype)
     return mean + std * flat_draw(jax.random.normal, key, std.shape, dtype=work)
 
 
 @lowers(aten.normal.Tensor_Tensor, random=True)
 def normal_tensor_tensor(mean, std, generator=None, *, key):
+    _check_stds(std)
     shape = jnp.broadcast_shapes(mean.shape, std.shape)
     work = opmath_dtype(jnp.result_type(mean, std))
     return mean + std * flat_draw(jax.random.normal, key, shape, dtype=work)
@@ -60,24 +68,43 @@ def uniform_(self, from_=0.0, to=1.0, generator=None, *, key):
     return draws.astype(self.dtype)
 
 
+def _check_p(p):
+    """torch's check of a probability argument (its meta kernels make none)."""
+    outside = jnp.logical_not((p >= 0) & (p <= 1))  # (a Python bool's ~ is an int's)
+    error_if(outside, RuntimeError, f"bernoulli_ expects p to be in [0, 1], but got p={p}")
+
+
+def _check_probabilities(p):
+    """torch's CPU check of a tensor of probabilities (a value check)."""
+    error_if(
+        jnp.any(~((p >= 0) & (p <= 1))),
+        RuntimeError,
+        "Expected p_in >= 0 && p_in <= 1 to be true, but got false.",
+    )
+
+
 @lowers(aten.bernoulli_.float, random=True)
 def bernoulli_float_(self, p=0.5, generator=None, *, key):
+    _check_p(p)
     return flat_draw(jax.random.bernoulli, key, self.shape, p=p).astype(self.dtype)
 
 
 @lowers(aten.bernoulli_.Tensor, random=True)
 def bernoulli_tensor_(self, p, generator=None, *, key):
+    _check_probabilities(p)
     p = jnp.broadcast_to(p, self.shape).reshape(-1)
     return jax.random.bernoulli(key, p).reshape(self.shape).astype(self.dtype)
 
 
 @lowers(aten.bernoulli.default, random=True)
 def bernoulli(self, generator=None, *, key):
+    _check_probabilities(self)
     return jax.random.bernoulli(key, self.reshape(-1)).reshape(self.shape).astype(self.dtype)
 
 
 @lowers(aten.bernoulli.p, random=True)
 def bernoulli_p(self, p, generator=None, *, key):
+    _check_p(p)
     return flat_draw(jax.random.bernoulli, key, self.shape, p=p).astype(self.dtype)
 
 
@@ -129,13 +156,22 @@ def random_(self, generator=None, *, key):
     return _randint(key, self.shape, 0, _random_bound(self.dtype), self.dtype)
 
 
-@lowers(aten.random_.to, random=True)
+def _check_bounds_as_cpu(dtype, from_, to):
+    """torch's checks of random_'s bounds (``from < to``, both within the dtype; its
+    meta kernel makes none), raised by its CPU kernel on an empty tensor: torch's
+    words, and its names of dtypes ("unsigned char")."""
+    torch.empty(0, dtype=dtypes.to_torch(dtype)).random_(from_, to)
+
+
+@lowers(aten.random_.to, random=True, static=("to",))
 def random_to(self, to, generator=None, *, key):
+    _check_bounds_as_cpu(self.dtype, 0, to)
     return _randint(key, self.shape, 0, to, self.dtype)
 
 
-@lowers(getattr(aten.random_, "from"), random=True)
+@lowers(getattr(aten.random_, "from"), random=True, static=("from", "to"))
 def random_from(self, from_, to=None, generator=None, *, key):
+    _check_bounds_as_cpu(self.dtype, from_, to)
     high = _random_bound(self.dtype) if to is None else to
     return _randint(key, self.shape, from_, high, self.dtype)
 
