@@ -129,6 +129,10 @@ def page(rows: list[dict]) -> str:
         lines += ["", "## Failures", ""]
         for r in failing:
             lines += [f"- torch {r['torch']}: `{f}`" for f in r["failures"]]
+    noted = [r for r in rows if r.get("note")]  # a row's provenance, written by hand
+    if noted:
+        lines += ["", "## Notes", ""]
+        lines += [f"- torch {r['torch']}: {r['note']}" for r in noted]
     return "\n".join(lines) + "\n"
 
 
