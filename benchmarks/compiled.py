@@ -2,6 +2,7 @@
 
     python benchmarks/compiled.py            # medians of several runs
     python benchmarks/compiled.py --quick    # fewer, shorter runs
+    python benchmarks/compiled.py --only transformer   # the workloads whose name has it
 
 Workloads: the MLP training step (512->1024->10, SGD) at batch 64 and 1024 and the
 small transformer training step (benchmarks/eager_modes.py). Columns: Strict and
@@ -64,7 +65,10 @@ def main():
         "| first call: compile | first call: jit |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    only = sys.argv[sys.argv.index("--only") + 1] if "--only" in sys.argv else ""
     for name, (make_step, make_jax_step) in WORKLOADS.items():
+        if only not in name:
+            continue
         first = {}
         contenders = {
             "Strict": (make_step("eager"), "strict"),
@@ -78,6 +82,7 @@ def main():
             if how == "jit":
                 step()  # torchtpu.jit runs its first call eagerly and traces on the second
             first[how] = time.perf_counter() - start
+            print(f"  {name}: first call of {how}: {first[how]:.1f} s", file=sys.stderr, flush=True)
             contenders[how] = (step, "strict")
             if how == "compile":
                 # The compiled model with the optimizer step (plain torch code) fused by

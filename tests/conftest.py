@@ -20,7 +20,7 @@ os.environ["TORCHTPU_COMPILE_CACHE_DIR"] = "0"
 torchtpu.config.compile_cache_dir = _shared_cache or None
 
 
-def _start_on_accelerator() -> None:
+def _start_on_accelerator() -> str | None:
     """Where JAX may find a TPU (libtpu is installed and JAX_PLATFORMS allows it), start
     its backend before the first test: a test recording every warning then does not see
     JAX's start-up warnings. One process holds a TPU at a time, so the subprocesses
@@ -30,14 +30,50 @@ def _start_on_accelerator() -> None:
 
     platforms = os.environ.get("JAX_PLATFORMS", "")
     if importlib.util.find_spec("libtpu") is None or (platforms and "tpu" not in platforms):
-        return
+        return None
     from torchtpu.runtime import platform
 
     if platform() != "cpu":
         os.environ["JAX_PLATFORMS"] = "cpu"
+        return platform()
+    return None
 
 
-_start_on_accelerator()
+_ACCELERATOR = _start_on_accelerator()
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _platform_tolerances_everywhere():
+    """On an accelerator with tolerances of its own (Note [Tolerances per platform] in
+    observe/compare.py), every comparison in the suite allows for them: those written
+    as ``torch.testing.assert_close`` too, not only `assert_same`'s."""
+    if _ACCELERATOR is None or not compare.platform_tolerances():
+        yield
+        return
+    original = torch.testing.assert_close
+
+    def assert_close(actual, expected, *, rtol=None, atol=None, **kwargs):
+        dtype = _floating_dtype(expected)
+        if dtype is not None:
+            rtol, atol = compare.tolerance(dtype, rtol, atol)
+        return original(actual, expected, rtol=rtol, atol=atol, **kwargs)
+
+    torch.testing.assert_close = assert_close
+    try:
+        yield
+    finally:
+        torch.testing.assert_close = original
+
+
+def _floating_dtype(value):
+    """The dtype of the first floating or complex value in ``value``; a Python float
+    (a loss's ``.item()``) counts as the default dtype."""
+    for leaf in torch.utils._pytree.tree_leaves(value):
+        if isinstance(leaf, torch.Tensor) and (leaf.is_floating_point() or leaf.is_complex()):
+            return leaf.dtype
+        if isinstance(leaf, float):
+            return torch.get_default_dtype()
+    return None
 
 MODES = ["strict", "debug", "defer"]
 

@@ -623,6 +623,12 @@ def test_streams_and_events_are_in_order():
 
     s = torch.tpu.Stream(priority=-1)
     assert torch.tpu.current_stream() == torch.tpu.current_stream(0)
+    # ids as torch.Stream's: ints (FSDP2 passes them to an op taking int device_type)
+    assert (s.stream_id, s.device_index, s.device_type) == (
+        0,
+        0,
+        int(torch._C._autograd.DeviceType.PrivateUse1),
+    )
     with torch.tpu.stream(s):
         x = torch.ones(3, device="tpu") * 2
     s.wait_stream(torch.tpu.current_stream())

@@ -91,3 +91,19 @@ def test_warn_instead_of_raising(planted):
             result = torch.tanh(torch.zeros(2, device="tpu"))
     assert [w.category for w in caught] == [torchtpu.TPUDivergenceWarning]
     assert torch.allclose(result.cpu(), torch.full((2,), 0.01))  # the tpu value goes on
+
+
+def test_platform_tolerances_widen_what_a_test_asks_for(monkeypatch):
+    # Note [Tolerances per platform]: on a TPU a float32 comparison allows at least the
+    # platform's tolerance, whatever a test asks for; elsewhere what it asks for holds.
+    from torchtpu.observe import compare
+
+    monkeypatch.setattr(compare, "_platform", lambda: "tpu")
+    wide = compare.PLATFORM_TOLERANCES["tpu"][torch.float32]
+    assert compare.tolerance(torch.float32) == wide
+    assert compare.tolerance(torch.float32, 1e-5, 0.0) == wide
+    assert compare.tolerance(torch.float32, 1e-2, 1e-2) == (1e-2, 1e-2)
+    assert compare.tolerance(torch.float64, 1e-7, 1e-7) == (1e-7, 1e-7)
+    monkeypatch.setattr(compare, "_platform", lambda: "cpu")
+    assert compare.tolerance(torch.float32, 1e-5, 0.0) == (1e-5, 0.0)
+    assert compare.tolerance(torch.float32) == (None, None)

@@ -80,3 +80,20 @@ def test_decompositions_are_counted():
     args = (x, x * 2) if op is torch.ops.aten.logaddexp.default else (x, 0.5)
     assert_same(op(*[a.to("tpu") if isinstance(a, torch.Tensor) else a for a in args]), op(*args))
     assert torchtpu.metrics()["decomposed"][str(op)] == 1
+
+
+_LIBRARY = torch.library.Library("torchtpu_test", "DEF")
+_LIBRARY.define("scaled_sum(Tensor x, float k) -> Tensor")
+
+
+@torch.library.impl(_LIBRARY, "scaled_sum", "CompositeExplicitAutograd")
+def _scaled_sum(x, k):
+    return (x * k).sum(0)
+
+
+def test_a_library_kernel_for_every_backend_runs_on_the_device():
+    # A library's op with a CompositeExplicitAutograd kernel written in torch ops (torch
+    # 2.15's fsdp.record_grad_output_stream) runs on tpu tensors, not on the fallback.
+    x = torch.randn(3, 4)
+    assert_same(torch.ops.torchtpu_test.scaled_sum(x.to("tpu"), 2.0), _scaled_sum(x, 2.0))
+    assert not torchtpu.metrics().get("fallback")

@@ -197,7 +197,10 @@ def test_cpu_program_same_with_and_without_autoload():
         "pinned": [True] * 8,
     }
     assert _NO_ACCELERATOR_WARNING in plain["warnings"]
-    assert loaded["warnings"] == [w for w in plain["warnings"] if w != _NO_ACCELERATOR_WARNING]
+    # On a TPU machine without transparent hugepages, JAX warns about the machine when a
+    # question about the hardware starts it: the VM's setup, not the program's.
+    loaded_warnings = [w for w in loaded["warnings"] if "Transparent hugepages" not in w]
+    assert loaded_warnings == [w for w in plain["warnings"] if w != _NO_ACCELERATOR_WARNING]
 
 
 # -- 2. activation checkpointing and the RNG --------------------------------------------------

@@ -251,3 +251,17 @@ def test_compiled_programs_refuse_host_ops_naming_the_rule():
 
     with pytest.raises(RuntimeError, match="cannot"):
         g(x), g(x)  # the first call runs eagerly; the trace refuses
+
+
+@under_policy
+def test_compiled_programs_take_a_changing_python_float():
+    # Dynamo passes a float that changes between calls as a 0-d float64 tensor: a number
+    # on the device, as a constant float is, not a float64 tensor for the host.
+    torch._dynamo.reset()
+    scaled = torch.compile(lambda x, s: (x * s).softmax(-1) / s, backend="tpu")
+    x = torch.randn(3, 5)
+    torchtpu.reset_metrics()
+    for temperature in (0.5, 0.7, 1.3):
+        expected = (x * temperature).softmax(-1) / temperature
+        assert_same(scaled(x.to("tpu"), temperature), expected)
+    assert not torchtpu.metrics().get("host_ops")

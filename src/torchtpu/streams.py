@@ -42,7 +42,9 @@ class Stream:
         index = _index(device)
         self.device = torch.device("tpu", index)
         self.device_index = index
-        self.device_type = torch._C._get_privateuse1_backend_name()
+        # An int, as torch.Stream's is (c10's DeviceType): FSDP2 passes it to an op
+        # declared ``int device_type`` (torch 2.15's fsdp::record_grad_output_stream).
+        self.device_type = int(torch._C._autograd.DeviceType.PrivateUse1)
         self.priority = priority
         self.stream_id = 0
 

@@ -81,6 +81,7 @@ class Plan:
         "mismatch",
         "fast",
         "host_rule",
+        "traced_rule",
     )
 
 
@@ -281,6 +282,7 @@ def build(op, lowering, info_: SchemaInfo, rules, values: list, call: Call) -> P
     plan.avals += [(call.storages[s].shape, dtypes.to_jax(call.storages[s].dtype)) for s in written]
     plan.single = returns[0][1] if len(returns) == 1 and returns[0][0] == "tensor" else None
     plan.host_rule = _host_rule(plan, call, outputs) if policy.active() else None
+    plan.traced_rule = _traced_rule(plan, call, outputs)
     return plan
 
 
@@ -292,6 +294,27 @@ def _host_rule(plan, call, outputs):
     rule = policy.rule_for_dtypes(kinds)
     if rule is not None:
         return rule
+    return _program_rule(plan, call)
+
+
+def _traced_rule(plan, call, outputs):
+    """The rule that refuses this call inside a compiled program, which cannot step out
+    to the host: the host rule, except that 0-d float64 tensors are numbers there.
+    Dynamo passes a Python float that changes between calls (a temperature, a learning
+    rate) as a 0-d float64 tensor; on the device it is a float64 number, as a Python
+    float already is (Note [Numbers as arrays]), so a call whose only float64 tensors
+    are 0-d is kept if its program breaks no rule."""
+    if plan.host_rule is not policy.FLOAT64:
+        return plan.host_rule
+    shapes = [s.shape for s in call.storages if s.dtype == torch.float64]
+    shapes += [o.shape for o in outputs if o is not None and o.dtype == torch.float64]
+    if any(shapes):  # a float64 tensor with dimensions
+        return plan.host_rule
+    return _program_rule(plan, call)
+
+
+def _program_rule(plan, call):
+    """The first rule of the policy the call's program breaks (traced abstractly)."""
     args = [
         jax().ShapeDtypeStruct(a.shape, a.dtype) if type(a) is Pending else a for a in call.arrays
     ]

@@ -76,6 +76,8 @@ def _handler(func):
         handler = _integer_indices(handler)
     if func in _BATCH_NORM_TRAINING_ARG:
         handler = _empty_stats_in_eval(handler, func)
+    if func._schema.name in ("aten::index_fill", "aten::index_fill_"):
+        handler = _index_fill_bounds(handler)
     if lowering is not None and lowering.factors_as_laid_out:
         handler = _factor_as_laid_out(handler)
     if func not in SPECIAL and any(a.name == "device" for a in func._schema.arguments):
@@ -231,15 +233,12 @@ def _check_known_indices(func, self, args) -> None:
         if i is None or dim >= self.dim():
             continue
         indexed += 1
-        host = i if i.device.type == "cpu" else None
-        if host is None and not i._chain:
-            host = storage_module.host_copy(i._storage)
-        if host is None or host.numel() == 0 or host.dtype in _MASKS:
+        host = _host_values(i)
+        if host is None or host.dtype in _MASKS:
             continue
         size = self.shape[dim]
-        bad = (host >= size) | (host < -size)
-        if bad.any():
-            value = host[bad].reshape(-1)[0].item()
+        value = _out_of_bounds(host, size)
+        if value is not None:
             if size == 0:
                 exc = IndexError("index is out of bounds for dimension with size 0")
             else:
@@ -247,6 +246,44 @@ def _check_known_indices(func, self, args) -> None:
                     f"index {value} is out of bounds for dimension {indexed} with size {size}"
                 )
             raise add_context(exc, func, args)
+
+
+def _host_values(index):
+    """The values of an index tensor the host holds (a CPU tensor, or a small one just
+    uploaded: Note [Host copies of uploads]), or None."""
+    if index.device.type == "cpu":
+        return index
+    return None if index._chain else storage_module.host_copy(index._storage)
+
+
+def _out_of_bounds(host, size: int):
+    """The first index in ``host`` out of range for a dimension of ``size``, or None."""
+    if host.numel() == 0:
+        return None
+    bad = (host >= size) | (host < -size)
+    return host[bad].reshape(-1)[0].item() if bad.any() else None
+
+
+def _index_fill_bounds(handler):
+    """``index_fill``'s IndexError at once, as the CPU's, for an index whose values the
+    host holds (from torch 2.15 ``x[[i]] = v`` is an ``index_fill_``); others are
+    checked on the device, when a value is next read."""
+
+    def with_known_bounds(func, args, kwargs):
+        self, dim, index = args[0], args[1], args[2]
+        host = _host_values(index) if self.dim() else None
+        if host is not None:
+            dim = dim % self.dim() if -self.dim() <= dim < self.dim() else dim
+            size = self.shape[dim] if 0 <= dim < self.dim() else None
+            value = None if size is None else _out_of_bounds(host, size)
+            if value is not None:
+                exc = IndexError(
+                    f"index {value} is out of bounds for dimension {dim} with size {size}"
+                )
+                raise add_context(exc, func, args)
+        return handler(func, args, kwargs)
+
+    return with_known_bounds
 
 
 _MASKS = (torch.bool, torch.uint8)
@@ -327,11 +364,13 @@ def _choose(func):
     if factory is not None:
         # ``torch.rand(3, out=o)``: the factory, then copied into o (resized first).
         return factory_out.handler(info, factory)
-    if func.namespace != "aten" and torch._C._dispatch_has_kernel_for_dispatch_key(
-        func.name(), "PrivateUse1"
+    if func.namespace != "aten" and any(
+        torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), key)
+        for key in ("PrivateUse1", "CompositeExplicitAutograd")
     ):
-        # A library's own kernel for PrivateUse1 devices, written in torch ops (FSDP2's
-        # fsdp.all_gather_copy_in, split_with_sizes_copy, chunk_cat): run it.
+        # A library's own kernel for PrivateUse1 devices or for every backend, written in
+        # torch ops (FSDP2's fsdp.all_gather_copy_in, split_with_sizes_copy, chunk_cat;
+        # torch 2.15's no-op fsdp.record_grad_output_stream): run it.
         return _decomposed_handler(functools.partial(func.redispatch, _PRIVATEUSE1))
     return run_on_cpu
 

@@ -72,7 +72,7 @@ def call(plan, args: list, device: int) -> list:
 
 def refused(plan) -> RuntimeError:
     """The error for a host-run op met inside a compiled program."""
-    rule = plan.host_rule
+    rule = plan.traced_rule
     return RuntimeError(
         f"{plan.op}: {rule.reason}. Outside a compiled program this op runs on the host "
         "CPU; a compiled program (torch.compile(backend='tpu') or torchtpu.jit) is one "

@@ -235,9 +235,14 @@ def as_on_cpu(
     if sum(t.numel() for t in leaves) > limit:
         return meta_error
 
+    # LAPACK's pivots are 1-based and unchecked: a pivot of 0 makes the CPU kernel read
+    # out of bounds (torch 2.11's ldl_solve aborted the process), so they replay as 1s.
+    pivots = any(a.name.endswith("pivots") for a in op._schema.arguments)
+
     def on_cpu(value):
         if isinstance(value, torch.Tensor):
-            return torch.zeros_like(value, device="cpu")
+            fill = 1 if pivots and not (value.is_floating_point() or value.is_complex()) else 0
+            return torch.full_like(value, fill, device="cpu")
         if isinstance(value, torch.device) and value.type == "meta":
             return torch.device("cpu")
         return value
