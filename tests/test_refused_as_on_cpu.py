@@ -51,15 +51,34 @@ VALUE_CHECKS = {
     "normal float mean": lambda d: torch.normal(0.0, _t([-1.0, 1.0], d)),
     "repeat_interleave": lambda d: torch.repeat_interleave(torch.zeros(2).to(d), _t([-1, 2], d)),
     "embedding_bag": lambda d: F.embedding_bag(_t([7], d), torch.zeros(3, 2).to(d), _t([0], d)),
+    # torch's one_hot skips its checks for tensor subclasses (Note [one_hot's checks on tpu])
+    "one_hot too large": lambda d: F.one_hot(_t([0, 3], d), 3),
+    "one_hot negative": lambda d: F.one_hot(_t([0, -1], d), 3),
+    "one_hot negative, classes counted": lambda d: F.one_hot(_t([0, -1], d)),
+    "one_hot of nothing, classes counted": lambda d: F.one_hot(_t([], d, torch.long)),
+    "one_hot of floats": lambda d: F.one_hot(_t([0.0], d), 3),
+    # an index past its plane (torch's decomposition wrote it into the next plane)
+    "max_unpool2d": lambda d: F.max_unpool2d(
+        torch.ones(2, 1, 1, 1).to(d), _t([[[[4]]], [[[0]]]], d), 2
+    ),
+    "max_unpool3d": lambda d: F.max_unpool3d(
+        torch.ones(1, 1, 1, 1, 1).to(d), _t([[[[[-1]]]]], d), 2
+    ),
 }
+
+# Whose CPU message names the bad value, which a value check cannot: the words before it.
+_WITHOUT_THE_VALUE = {"max_unpool2d": ":", "max_unpool3d": ":"}
 
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("name", VALUE_CHECKS)
 def test_value_checks(name, mode):
     expected, actual = _assert_refused_as_on_cpu(VALUE_CHECKS[name], mode)
+    words = str(expected).split("\n")[0].split("  ")[0]
+    if name in _WITHOUT_THE_VALUE:
+        words = words.split(_WITHOUT_THE_VALUE[name])[0]
     if "embedding_bag" not in name:  # (the CPU names the bad index and its value)
-        assert str(expected).split("\n")[0].split("  ")[0] in str(actual)
+        assert words in str(actual)
 
 
 # Scalar arguments the CPU kernels check (their meta kernels do not).
@@ -179,3 +198,51 @@ def test_integer_logspace_truncates_its_exponents_first():
         ((-1.5, 2.5, 5), {"base": 2, "dtype": torch.int64}),
     ]:
         assert_same(torch.logspace(*args, **kwargs, device="tpu"), torch.logspace(*args, **kwargs))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_one_hot_in_range_eager_and_compiled(mode):
+    x = torch.tensor([[0, 2], [1, 1]])
+    with torch.tpu.set_eager_mode(mode):
+        for n in (-1, 3, 5):
+            assert_same(F.one_hot(x.to("tpu"), n), F.one_hot(x, n))
+        compiled = torch.compile(lambda t: F.one_hot(t, 4) * 2, backend="tpu")
+        assert_same(compiled(x.to("tpu")), F.one_hot(x, 4) * 2)
+        with pytest.raises(RuntimeError, match="smaller than num_classes"):
+            compiled(torch.tensor([4]).to("tpu")).cpu()
+
+
+_CTC_BAD_LENGTHS = {
+    "a target longer than its row": (torch.tensor([[1, 2], [1, 1]]), [6, 6], [3, 2]),
+    "an input longer than the log-probs": (torch.tensor([[1, 2], [1, 1]]), [7, 6], [2, 2]),
+    "a negative input length": (torch.tensor([[1, 2], [1, 1]]), [-1, 6], [2, 2]),
+    "a negative target length": (torch.tensor([[1, 2], [1, 1]]), [6, 6], [-1, 2]),
+    "concatenated targets too few": (torch.tensor([1, 2, 3]), [6, 6], [2, 2]),
+    "concatenated targets too many": (torch.tensor([1, 2, 3, 1, 2]), [6, 6], [2, 2]),
+}
+
+
+@pytest.mark.parametrize("lengths_on", ["cpu", "tpu"])
+@pytest.mark.parametrize("name", _CTC_BAD_LENGTHS)
+def test_ctc_loss_lengths_checked_as_on_cpu(name, lengths_on):
+    # Lengths on the CPU (the documented usage) are checked on the host, in the CPU's
+    # words; lengths on the device by value checks, without the offending value.
+    targets, input_lengths, target_lengths = _CTC_BAD_LENGTHS[name]
+    log_probs = torch.randn(6, 2, 4).log_softmax(-1)
+
+    def call(d):
+        lengths = "cpu" if d == "cpu" else lengths_on
+        return F.ctc_loss(
+            log_probs.to(d),
+            targets.to(d),
+            torch.tensor(input_lengths).to(lengths),
+            torch.tensor(target_lengths).to(lengths),
+            reduction="none",
+        )
+
+    expected, actual = _assert_refused_as_on_cpu(call, "strict")
+    words = str(expected).split("\n")[0]
+    if lengths_on == "cpu":
+        assert words in str(actual)
+    else:
+        assert words.split(", but")[0].split(" at dimension")[0].split(" size ")[0] in str(actual)

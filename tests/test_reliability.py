@@ -18,6 +18,8 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 import torchtpu
+from conftest import assert_same
+from torchtpu.dispatch import special
 
 # Subprocesses import this tree's torchtpu, whatever is installed.
 _SRC = os.path.dirname(os.path.dirname(torchtpu.__file__))
@@ -649,14 +651,23 @@ def test_transformer_encoder_fast_path_with_a_padding_mask():
     encoder = torch.nn.TransformerEncoder(layer, 2).eval()
     x = torch.randn(3, 5, 8)
     pad = torch.tensor([[False] * 5, [False] * 3 + [True] * 2, [False] * 1 + [True] * 4])
+    special._warned_padded_path = False
     with torch.no_grad():
         expected = encoder(x, src_key_padding_mask=pad)  # nested on the CPU: pads are 0
         encoder.to("tpu")
-        actual = encoder(x.to("tpu"), src_key_padding_mask=pad.to("tpu")).cpu()
+        with pytest.warns(UserWarning, match="padded positions") as caught:
+            actual = encoder(x.to("tpu"), src_key_padding_mask=pad.to("tpu")).cpu()
+    assert caught[0].filename == __file__  # the user's line
     assert actual.shape == expected.shape
     keep = ~pad
     torch.testing.assert_close(actual[keep], expected[keep], atol=1e-5, rtol=1e-5)
-    assert torch.isfinite(actual).all()
+    assert torch.isfinite(actual).all() and expected[pad].eq(0).all()
+    # Without the nested path, as the warning advises, every position matches the CPU.
+    padded = torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False).eval()
+    with torch.no_grad():
+        expected = padded(x, src_key_padding_mask=pad)
+        actual = padded.to("tpu")(x.to("tpu"), src_key_padding_mask=pad.to("tpu"))
+    assert_same(actual, expected, atol=1e-5, rtol=1e-5)
     forced = torch.nn.TransformerEncoder(layer, 2, mask_check=False).eval().to("tpu")
     with torch.no_grad(), pytest.raises(NotImplementedError, match="nested tensors are not"):
         forced(x.to("tpu"), src_key_padding_mask=pad.to("tpu"))
@@ -929,8 +940,6 @@ def test_rnn_over_packed_sequences(mode, cell, enforce_sorted):
     """pack_padded_sequence keeps ``batch_sizes`` on the CPU, as on CUDA, where
     PackedSequence and the packed RNN kernels read it (it raised "batch_sizes should
     always be on CPU", or for unsorted lengths a slicing error)."""
-    from conftest import assert_same
-
     batch_first = not enforce_sorted  # both layouts, over the parametrization
     lengths = [4, 3, 1] if enforce_sorted else [3, 4, 1]
     x = torch.randn(3, 4, 5) if batch_first else torch.randn(4, 3, 5)

@@ -413,6 +413,8 @@ def _ctc_loss_lengths_on_device(
     # (the lengths as tensors, autograd through _ctc_loss) the mean reduction divides by
     # target_lengths, so they must be on the device of log_probs. Copied there (values,
     # not constants: other lengths compile no new program).
+    if input_lengths.device.type == "cpu" and target_lengths.device.type == "cpu":
+        _check_ctc_lengths(log_probs, targets, input_lengths.tolist(), target_lengths.tolist())
     device = log_probs.device
     return torch.ops.aten.ctc_loss.Tensor.decompose(
         log_probs,
@@ -423,6 +425,54 @@ def _ctc_loss_lengths_on_device(
         reduction,
         zero_infinity,
     )
+
+
+def _one_hot(self, num_classes=-1):
+    # Note [one_hot's checks on tpu] (ops/indexing.py); the rest as torch's one_hot.
+    if self.dtype != torch.long:
+        raise RuntimeError("one_hot is only applicable to index tensor of type LongTensor.")
+    if self.numel() == 0:
+        if num_classes <= 0:
+            raise RuntimeError("Can not infer total number of classes from empty tensor.")
+        return self.new_empty((*self.shape, num_classes))
+    if num_classes == -1:  # the classes are counted on the host, as on every device
+        low, high = torch.stack([self.min(), self.max()]).tolist()
+        if low < 0:
+            raise RuntimeError("Class values must be non-negative.")
+        num_classes = high + 1
+    elif num_classes < -1:
+        raise RuntimeError("Class values must be smaller than num_classes.")
+    from torchtpu.ops.indexing import one_hot_checked
+
+    return one_hot_checked(self, num_classes)
+
+
+def _check_ctc_lengths(log_probs, targets, input_lengths, target_lengths) -> None:
+    """The CPU kernel's checks of lengths the host holds, in its order and words (the
+    lowering checks lengths on the device too, without their values)."""
+
+    def refuse(message):
+        raise RuntimeError(message + " (while checking arguments for ctc_loss_allocate_outputs)")
+
+    for name, lengths in (("target_lengths", target_lengths), ("input_lengths", input_lengths)):
+        if any(n < 0 for n in lengths):
+            refuse(f"Expected {name} to have value at least 0, but got value {min(lengths)}")
+    if targets.dim() == 1 and targets.shape[0] != sum(target_lengths):
+        refuse(
+            f"Expected tensor to have size {sum(target_lengths)} at dimension 0, but got size "
+            f"{targets.shape[0]} for argument #2 'targets'"
+        )
+    if targets.dim() == 2 and targets.shape[1] < max(target_lengths, default=0):
+        refuse(
+            f"Expected tensor to have size at least {max(target_lengths)} at dimension 1, but "
+            f"got size {targets.shape[1]} for argument #2 'targets'"
+        )
+    longest = log_probs.shape[0]
+    if any(n > longest for n in input_lengths):
+        refuse(
+            f"Expected input_lengths to have value at most {longest}, but got value "
+            f"{next(n for n in input_lengths if n > longest)}"
+        )
 
 
 def _factory_kernel(op):
@@ -474,6 +524,7 @@ def register() -> None:
     _library.impl("_copy_from", _copy_from, "PrivateUse1")
     _library.impl("_local_scalar_dense", _local_scalar_dense, "PrivateUse1")
     _library.impl("ctc_loss.Tensor", _ctc_loss_lengths_on_device, "AutogradPrivateUse1")
+    _library.impl("one_hot", _one_hot, "AutogradPrivateUse1")
     for name in _QUANTIZED_ALLOCATIONS:
         _library.impl(name, _quantized_allocation, "QuantizedPrivateUse1")
     for name in _FACTORIES:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import math
+import warnings
 
 import torch
 from torch._prims_common import make_contiguous_strides_for, suggest_memory_format
@@ -24,7 +25,7 @@ from torchtpu.dispatch.values import (
     move,
     wrap,
 )
-from torchtpu.observe.locations import name_op
+from torchtpu.observe.locations import name_op, user_stacklevel
 from torchtpu.ops import TABLE
 from torchtpu.runtime import current_index
 from torchtpu.runtime.transfer import to_device
@@ -341,9 +342,29 @@ def _native_batch_norm(func, args, kwargs):
 #     at every unmasked position. At masked positions the CPU's nested path returns
 #     zeros and the padded path (the CPU's too, with grad or in training) whatever the
 #     layers computed there. Asked to pack anyway (mask_check=False), tpu refuses.
+#     Telling the encoder's last layer from the others, to zero the padded positions
+#     after it as the nested path does, would take a hook on every module call; so the
+#     difference is said once, with the two ways to the same values on every device.
+
+
+_warned_padded_path = False
 
 
 def _not_left_aligned(func, args, kwargs) -> bool:
+    global _warned_padded_path
+    if not _warned_padded_path:
+        _warned_padded_path = True
+        warnings.warn(
+            "torchtpu: nn.TransformerEncoder's nested-tensor fast path (eval, no grad, a "
+            "src_key_padding_mask) is not available on tpu, so the encoder runs its padded "
+            "path: at padded positions its output holds the values the layers computed "
+            "there, where the CPU and CUDA return zeros (or the final norm of zeros). "
+            "Unpadded positions are the same. Ignore padded positions (mask them before "
+            "pooling), or build the encoder with enable_nested_tensor=False, which takes "
+            "the padded path on every device.",
+            UserWarning,
+            stacklevel=user_stacklevel(),
+        )
     return False
 
 

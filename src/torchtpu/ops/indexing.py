@@ -11,6 +11,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import torch
 
 from torchtpu.ops.registry import aten, lowers
 from torchtpu.ops.util import canonical_dim, cast
@@ -478,3 +479,27 @@ def bincount(self, weights=None, minlength=0):
             raise RuntimeError("bincount only supports 1-d non-negative integral inputs.")
         length = max(high + 1, minlength)
     return _bincount_sized(self, weights, length=length)
+
+
+# Note [one_hot's checks on tpu]
+#     torch's one_hot skips its value checks for tensor subclasses: it decomposes to
+#     ``arange(num_classes) == x``, so a class out of range gave a row of zeros. On tpu
+#     one_hot (an AutogradPrivateUse1 kernel, device.py) calls this op instead, whose
+#     checks run on the device and raise the CPU's errors at the next read.
+_library = torch.library.Library("torchtpu_checked", "DEF")
+_library.define("one_hot(Tensor self, int num_classes) -> Tensor")
+one_hot_checked = torch.ops.torchtpu_checked.one_hot.default
+
+
+@torch.library.register_fake("torchtpu_checked::one_hot", lib=_library)
+def _one_hot_meta(self, num_classes):
+    return self.new_empty((*self.shape, num_classes))
+
+
+@lowers(one_hot_checked, static=("num_classes",))
+def one_hot(self, num_classes):
+    error_if(jnp.any(self < 0), RuntimeError, "Class values must be non-negative.")
+    error_if(
+        jnp.any(self >= num_classes), RuntimeError, "Class values must be smaller than num_classes."
+    )
+    return (self[..., None] == jnp.arange(num_classes, dtype=self.dtype)).astype(self.dtype)

@@ -426,10 +426,48 @@ def _as_batched(log_probs):
     return log_probs if log_probs.ndim == 3 else log_probs[:, None, :]
 
 
+_CTC_CHECKING = " (while checking arguments for ctc_loss_allocate_outputs)"
+
+
+def _check_ctc_lengths(log_probs, targets, input_lengths, target_lengths):
+    """The CPU kernel's checks of the lengths, on the device (lengths given on the CPU
+    are checked on the host first, with the values in the message: device.py)."""
+    error_if(
+        jnp.any(target_lengths < 0),
+        RuntimeError,
+        "Expected target_lengths to have value at least 0" + _CTC_CHECKING,
+    )
+    if targets.ndim == 1:
+        error_if(
+            jnp.sum(target_lengths) != targets.shape[0],
+            RuntimeError,
+            "Expected tensor to have size sum(target_lengths) at dimension 0, but got size "
+            f"{targets.shape[0]} for argument #2 'targets'" + _CTC_CHECKING,
+        )
+    else:
+        error_if(
+            jnp.any(target_lengths > targets.shape[1]),
+            RuntimeError,
+            "Expected tensor to have size at least max(target_lengths) at dimension 1, but "
+            f"got size {targets.shape[1]} for argument #2 'targets'" + _CTC_CHECKING,
+        )
+    error_if(
+        jnp.any(input_lengths < 0),
+        RuntimeError,
+        "Expected input_lengths to have value at least 0" + _CTC_CHECKING,
+    )
+    error_if(
+        jnp.any(input_lengths > log_probs.shape[0]),
+        RuntimeError,
+        f"Expected input_lengths to have value at most {log_probs.shape[0]}" + _CTC_CHECKING,
+    )
+
+
 @lowers(aten._ctc_loss.Tensor)
 def _ctc_loss_Tensor(
     log_probs, targets, input_lengths, target_lengths, blank=0, zero_infinity=False, width=None
 ):
+    _check_ctc_lengths(log_probs, targets, input_lengths, target_lengths)
     alphas, loss = _ctc_alphas(
         _as_batched(log_probs), targets, input_lengths, target_lengths, blank, width
     )

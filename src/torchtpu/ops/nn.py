@@ -236,6 +236,37 @@ def max_pool3d_with_indices_backward(
     return _max_pool_backward(grad_output, self, indices, 3)
 
 
+def _max_unpool(self, indices, output_size):
+    """Each value to its index in its plane of the output, zeros elsewhere. torch's
+    decomposition scatters into one flat buffer, so an index past its plane wrote into
+    the next plane; the CPU kernel refuses it, and so does this one."""
+    n = len(output_size)
+    plane = math.prod(output_size)
+    error_if(
+        jnp.any((indices < 0) | (indices >= plane)),
+        RuntimeError,
+        "Found an invalid max index (output volumes are of size "
+        + "x".join(map(str, output_size))
+        + ")",
+    )
+    lead = self.shape[:-n]
+    values = self.reshape(math.prod(lead), -1)
+    out = jnp.zeros((values.shape[0], plane), self.dtype)
+    rows = jnp.arange(values.shape[0])[:, None]
+    out = out.at[rows, indices.reshape(values.shape)].set(values, mode="drop")
+    return out.reshape(*lead, *output_size)
+
+
+@lowers(aten.max_unpool2d.default)
+def max_unpool2d(self, indices, output_size):
+    return _max_unpool(self, indices, output_size)
+
+
+@lowers(aten.max_unpool3d.default)
+def max_unpool3d(self, indices, output_size, stride, padding):
+    return _max_unpool(self, indices, output_size)
+
+
 def _avg_pool(
     self, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override, n
 ):
