@@ -1824,3 +1824,33 @@ def test_cpu_flash_attention_returns_the_logsumexp(case):
     cpu_grads = torch.autograd.grad(op(*cpu_inputs, **kwargs)[0].sum(), cpu_inputs)
     tpu_grads = torch.autograd.grad(op(*tpu_inputs, **tpu_kwargs)[0].sum(), tpu_inputs)
     assert_same(tpu_grads, cpu_grads, rtol=1e-4, atol=2e-4)
+
+
+@pytest.mark.parametrize(
+    "mode,antialias", [("bilinear", False), ("bilinear", True), ("bicubic", True)]
+)
+def test_uint8_resizes_round_as_the_cpu_kernel(mode, antialias):
+    # Note [uint8 resizing in fixed point]: exact, up and down, either align_corners,
+    # several channel counts (the CPU takes another code path above 4).
+    torch.manual_seed(0)
+    for (h, w), size, align_corners, channels in [
+        ((5, 7), (10, 14), False, 3),
+        ((16, 16), (4, 5), True, 1),
+        ((32, 20), (33, 41), False, 6),
+        ((9, 9), (9, 4), False, 3),
+    ]:
+        if antialias and align_corners and mode == "bicubic":
+            continue
+        x = torch.randint(0, 256, (2, channels, h, w), dtype=torch.uint8)
+        resize = lambda t: F.interpolate(  # noqa: E731
+            t, size=size, mode=mode, align_corners=align_corners, antialias=antialias
+        )
+        assert_same(resize(tpu(x)), resize(x), rtol=0, atol=0)
+
+
+def test_antialiased_bicubic_float_and_its_gradient():
+    check(
+        lambda x: F.interpolate(x, size=(4, 5), mode="bicubic", antialias=True),
+        torch.randn(1, 2, 9, 7),
+        grad=(0,),
+    )

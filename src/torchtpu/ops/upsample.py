@@ -124,7 +124,94 @@ def upsample_linear1d(self, output_size, align_corners, scales=None):
 
 @lowers(aten.upsample_bilinear2d.default)
 def upsample_bilinear2d(self, output_size, align_corners, scales_h=None, scales_w=None):
+    if self.dtype == jnp.uint8:
+        return _resize_uint8(self, output_size, align_corners, (scales_h, scales_w), _linear_filter, 2)
     return _taps(self, output_size, align_corners, (scales_h, scales_w), cubic=False)
+
+
+# Note [uint8 resizing in fixed point]
+#     torch's CPU kernels resize uint8 images as Pillow does (bilinear and bicubic, with
+#     or without antialiasing): one pass per axis that
+#     changes size, the last axis first, each with int16 weights scaled by 2**precision
+#     (the most bits the largest weight allows) and rounded back to uint8 after the pass
+#     (UpSampleKernel.cpp, _compute_index_ranges_int16_weights). Computing in float and
+#     rounding once differs from it by up to 2; these are its steps.
+
+
+def _linear_filter(x):
+    return max(0.0, 1.0 - abs(x))
+
+
+def _cubic_filter(a):
+    def cubic(x):
+        x = abs(x)
+        if x < 1.0:
+            return ((a + 2.0) * x - (a + 3.0)) * x * x + 1
+        if x < 2.0:
+            return (((x - 5) * x + 8) * x - 4) * a
+        return 0.0
+
+    return cubic
+
+
+def _filter_weights(size_in, size_out, align_corners, scale, filter_fn, taps, antialias):
+    """The (size_out, size_in) float64 weights of one axis, as the kernels of the
+    antialiased and the uint8 resizes compute them (_compute_indices_min_size_weights_aa):
+    the filter over the taps in range, normalised to sum to one per output."""
+    if align_corners:
+        ratio = (size_in - 1) / (size_out - 1) if size_out > 1 else 0.0
+    elif scale is not None and scale > 0:
+        ratio = 1.0 / scale
+    else:
+        ratio = size_in / size_out
+    delta = 0.5 if align_corners and not antialias else 0.0
+    support = taps * 0.5
+    if antialias and ratio >= 1.0:  # widened to the scale when downsampling
+        support, invscale = support * ratio, 1.0 / ratio
+    else:
+        invscale = 1.0
+    most = int(math.ceil(support)) * 2 + 1 if antialias else taps
+    weights = np.zeros((size_out, size_in))
+    for i in range(size_out):
+        center = ratio * (i + 0.5 - delta)
+        # int() truncates toward zero as the kernel's static_cast does
+        start = max(int(center - support + 0.5 + delta), 0)
+        count = min(max(min(int(center + support + 0.5 + delta), size_in) - start, 0), most)
+        row = [filter_fn((j + start - center + 0.5 - delta) * invscale) for j in range(count)]
+        total = sum(row)
+        if total != 0.0:
+            weights[i, start : start + count] = [w / total for w in row]
+    return weights
+
+
+def _int16_weights(weights):
+    """Weights scaled by 2**precision, the most bits the largest allows in an int16, and
+    rounded half away from zero (_compute_index_ranges_int16_weights); and precision."""
+    largest = weights.max(initial=0.0)
+    precision = 0
+    while precision < 22 and int(0.5 + largest * (1 << (precision + 1))) < (1 << 15):
+        precision += 1
+    scaled = weights * (1 << precision)
+    return np.trunc(np.where(scaled < 0, scaled - 0.5, scaled + 0.5)).astype(np.int32), precision
+
+
+def _resize_uint8(self, output_size, align_corners, scales, filter_fn, taps, antialias=False):
+    """Note [uint8 resizing in fixed point]."""
+    x = self
+    for i in reversed(range(2)):
+        axis = self.ndim - 2 + i
+        if x.shape[axis] == output_size[i]:
+            continue
+        weights, precision = _int16_weights(
+            _filter_weights(
+                x.shape[axis], output_size[i], align_corners, scales[i], filter_fn, taps, antialias
+            )
+        )
+        moved = jnp.moveaxis(x.astype(jnp.int32), axis, -1)
+        total = jnp.matmul(moved, jnp.asarray(weights.T), precision=lax.Precision.HIGHEST)
+        rounded = (total + (1 << (precision - 1))) >> precision
+        x = jnp.moveaxis(jnp.clip(rounded, 0, 255).astype(jnp.uint8), -1, axis)
+    return x
 
 
 @lowers(aten.upsample_trilinear3d.default)
@@ -227,6 +314,9 @@ def _antialias_weights(size_in, size_out, align_corners, scale, real):
 
 @lowers(aten._upsample_bilinear2d_aa.default)
 def _upsample_bilinear2d_aa(self, output_size, align_corners, scales_h=None, scales_w=None):
+    scales = (scales_h, scales_w)
+    if self.dtype == jnp.uint8:
+        return _resize_uint8(self, output_size, align_corners, scales, _linear_filter, 2, True)
     if not jnp.issubdtype(self.dtype, jnp.floating):
         unsupported.refuse("_upsample_bilinear2d_aa: integer input", f" (got {self.dtype})")
     compute = opmath_dtype(self.dtype)
@@ -236,6 +326,30 @@ def _upsample_bilinear2d_aa(self, output_size, align_corners, scales_h=None, sca
     cols = jnp.asarray(_antialias_weights(w_in, output_size[1], align_corners, scales_w, real))
     out = jnp.einsum(
         "...hw,Hh,Ww->...HW", self.astype(compute), rows, cols, precision=lax.Precision.HIGHEST
+    )
+    return out.astype(self.dtype)
+
+
+# Pillow's bicubic (a = -0.5), which torch's antialiased bicubic follows.
+_PILLOW_CUBIC = _cubic_filter(-0.5)
+
+
+@lowers(aten._upsample_bicubic2d_aa.default)
+def _upsample_bicubic2d_aa(self, output_size, align_corners, scales_h=None, scales_w=None):
+    scales = (scales_h, scales_w)
+    if self.dtype == jnp.uint8:
+        return _resize_uint8(self, output_size, align_corners, scales, _PILLOW_CUBIC, 4, True)
+    if not jnp.issubdtype(self.dtype, jnp.floating):
+        unsupported.refuse("_upsample_bicubic2d_aa: integer input", f" (got {self.dtype})")
+    compute = opmath_dtype(self.dtype)
+    matrices = [
+        jnp.asarray(
+            _filter_weights(n, size, align_corners, scale, _PILLOW_CUBIC, 4, True), compute
+        )
+        for n, size, scale in zip(self.shape[-2:], output_size, scales)
+    ]
+    out = jnp.einsum(
+        "...hw,Hh,Ww->...HW", self.astype(compute), *matrices, precision=lax.Precision.HIGHEST
     )
     return out.astype(self.dtype)
 
@@ -258,5 +372,6 @@ for _backward, _forward in {
     aten.upsample_trilinear3d_backward.default: upsample_trilinear3d,
     aten.upsample_bicubic2d_backward.default: upsample_bicubic2d,
     aten._upsample_bilinear2d_aa_backward.default: _upsample_bilinear2d_aa,
+    aten._upsample_bicubic2d_aa_backward.default: _upsample_bicubic2d_aa,
 }.items():
     lowers(_backward)(_backward_of(_forward))
