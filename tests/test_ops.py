@@ -1842,10 +1842,8 @@ def test_uint8_resizes_round_as_the_cpu_kernel(mode, antialias):
         if antialias and align_corners and mode == "bicubic":
             continue
         x = torch.randint(0, 256, (2, channels, h, w), dtype=torch.uint8)
-        resize = lambda t: F.interpolate(  # noqa: E731
-            t, size=size, mode=mode, align_corners=align_corners, antialias=antialias
-        )
-        assert_same(resize(tpu(x)), resize(x), rtol=0, atol=0)
+        options = dict(size=size, mode=mode, align_corners=align_corners, antialias=antialias)
+        assert_same(F.interpolate(tpu(x), **options), F.interpolate(x, **options), rtol=0, atol=0)
 
 
 def test_antialiased_bicubic_float_and_its_gradient():

@@ -907,3 +907,53 @@ def test_factories_inside_device_context():
     for t in made:
         assert isinstance(t, TPUTensor) and t.device == torch.device("tpu:0")
     assert torch.zeros(1).device.type == "cpu"
+
+
+# -- as_subclass: Note [Subclasses of tpu tensors] --------------------------------------------
+
+
+class _Plain(torch.Tensor):
+    pass
+
+
+class _Wrapping(torch.Tensor):
+    """torchvision's TVTensor pattern: ops unwrap to plain tensors, except a few it keeps."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        with torch._C.DisableTorchFunctionSubclass():
+            out = func(*args, **(kwargs or {}))
+        if func in (torch.Tensor.clone, torch.Tensor.to):
+            return out.as_subclass(cls)
+        return out
+
+
+class _Image(_Wrapping):
+    pass
+
+
+def test_as_subclass_on_tpu_as_on_the_cpu():
+    x = torch.arange(6.0).reshape(2, 3)
+    for cls in (_Plain, _Image):
+        results = {}
+        for device in ("cpu", "tpu"):
+            t = x.to(device).as_subclass(cls)
+            outs = (t + 1, t.clone(), t.flip(-1), t.to("cpu"), t.as_subclass(torch.Tensor))
+            results[device] = [(isinstance(o, cls), o.device.type, o.tolist()) for o in outs]
+            assert isinstance(t, cls) and t.device.type == device
+        # the same classes and values; results stay on tpu where the CPU's stay on the CPU
+        expected = [(k, "tpu" if d == "cpu" else d, v) for k, d, v in results["cpu"]]
+        expected[3] = results["cpu"][3]  # .to("cpu")
+        assert results["tpu"] == expected
+
+
+def test_as_subclass_keeps_the_tensor_and_its_gradient():
+    x = torch.ones(3, device="tpu", requires_grad=True)
+    y = x.as_subclass(_Plain)
+    (y * 2).sum().backward()
+    assert x.grad.cpu().tolist() == [2.0, 2.0, 2.0]
+    z = torch.zeros(2, device="tpu")
+    z.as_subclass(_Image).add_(1)  # an alias: writes reach the tensor
+    assert z.cpu().tolist() == [1.0, 1.0]
+    with pytest.raises(TypeError, match="as_subclass"):
+        z.as_subclass(int)

@@ -9,6 +9,8 @@ device) and routes every aten op to ``__torch_dispatch__``; the data lives in a
 from __future__ import annotations
 
 import copy
+import functools
+import inspect
 import math
 import weakref
 
@@ -103,6 +105,21 @@ class TPUTensor(torch.Tensor):
         if _tracing_seen and _any_traced(args, kwargs):
             return hooks.dispatch_traced(func, args, kwargs or {})
         return hooks.dispatch(func, args, kwargs or {})
+
+    # Note [Subclasses of tpu tensors]
+    #     ``t.as_subclass(cls)`` gives the same C++ tensor a second Python object of type
+    #     ``cls``; a tpu tensor's C++ tensor has its Python object already (this one),
+    #     so torch refuses. Here the result is a new alias of the tensor, of a class
+    #     deriving from both ``cls`` and TPUTensor (made once per ``cls``), whose
+    #     ``__torch_function__`` is ``cls``'s: torchvision's tv_tensors (Image,
+    #     BoundingBoxes, Mask), and any subclass that wraps its results, work on tpu as
+    #     they do on the CPU. ``as_subclass(torch.Tensor)`` unwraps to a plain tpu tensor.
+    def as_subclass(self, cls):
+        if not (isinstance(cls, type) and issubclass(cls, torch.Tensor)):
+            raise TypeError(f"as_subclass(): expected a Tensor subclass, got {cls!r}")
+        alias = torch.ops.aten.alias.default(self)
+        alias.__class__ = TPUTensor if issubclass(TPUTensor, cls) else _tpu_subclass(cls)
+        return alias
 
     # -- torch.compile: a traceable wrapper subclass of one handle (handles.py) ----------
 
@@ -362,6 +379,26 @@ def backward_on_calling_thread() -> None:
 
 
 _CPU_KEYS = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
+
+@functools.cache
+def _tpu_subclass(cls: type) -> type:
+    """``cls`` on tpu: Note [Subclasses of tpu tensors]."""
+    if issubclass(cls, TPUTensor):
+        return cls
+    impl = inspect.getattr_static(cls, "__torch_function__")
+    impl = impl.__func__ if isinstance(impl, classmethod) else impl
+
+    # A function of its own: torch disables a __torch_dispatch__ subclass's
+    # __torch_function__ when it is torch.Tensor's own (a plain subclass's). Called as
+    # ``cls``'s, so that results are made ``cls`` -- on tpu through as_subclass above,
+    # and on the CPU (``.cpu()``) as torch makes them.
+    def __torch_function__(klass, func, types, args=(), kwargs=None):
+        types = tuple(getattr(t, "_tpu_subclass_of", t) for t in types)
+        return impl(cls, func, types, args, kwargs)
+
+    namespace = {"__torch_function__": classmethod(__torch_function__), "_tpu_subclass_of": cls}
+    return type(cls.__name__, (cls, TPUTensor), namespace)
+
 
 # Whether a traced wrapper was ever made: until then no op needs to look for one.
 _tracing_seen = False
