@@ -53,6 +53,9 @@ def test_device_module_api():
     assert torch.tpu.get_device_name() == "cpu (XLA)"  # JAX runs on its CPU backend here
     props = torch.tpu.get_device_properties(0)
     assert props.name == "cpu (XLA)" and props.platform == "cpu"
+    # the memory its arrays live in (the host's here), never 0: libraries divide by it
+    assert props.total_memory == torch.tpu.mem_get_info(0)[1] > 0
+    assert (props.major, props.minor) == torch.tpu.get_device_capability(0)
     assert torch.tpu.EagerMode.DEFER_NEVER is torchtpu.EagerMode.DEFER_NEVER
     assert torch.tpu.eager_mode is torch.tpu.EagerMode.DEFER_NEVER
     assert torch.tpu.Precision.HIGHEST.value == "highest"

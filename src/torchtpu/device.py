@@ -237,19 +237,23 @@ class _DeviceProperties(types.SimpleNamespace):
 
 
 def get_device_properties(device=None) -> _DeviceProperties:
-    """Name, platform, kind and (where JAX reports it) memory of a device."""
+    """Name, platform, kind, capability and memory of a device. ``total_memory`` is
+    ``mem_get_info``'s total: the chip's memory, or on the CPU backend the host's, where
+    its arrays live (libraries size batches by it and divide by it)."""
     from torchtpu.runtime import device as jax_device
     from torchtpu.runtime import device_name
 
     index = _index(device)
     dev = jax_device(index)
-    stats = dev.memory_stats() if hasattr(dev, "memory_stats") else None
+    major, minor = get_device_capability(index)
     return _DeviceProperties(
         name=device_name(index),
         index=index,
         platform=dev.platform,
         device_kind=dev.device_kind,
-        total_memory=(stats or {}).get("bytes_limit", 0),
+        major=major,
+        minor=minor,
+        total_memory=memory.mem_get_info(index)[1],
     )
 
 
