@@ -265,3 +265,20 @@ def test_compiled_programs_take_a_changing_python_float():
         expected = (x * temperature).softmax(-1) / temperature
         assert_same(scaled(x.to("tpu"), temperature), expected)
     assert not torchtpu.metrics().get("host_ops")
+
+
+@under_policy
+def test_random_ops_draw_with_the_tpus_bit_generator():
+    # Note [Random bits on TPU]: keys are "rbg" keys; seeding reproduces, and the draws
+    # have their distributions.
+    from torchtpu import rng
+
+    assert "rbg" in str(jax.random.key_impl(rng.key(0, 0)))
+    torch.manual_seed(0)
+    u, n = torch.rand(50_000, device="tpu"), torch.randn(50_000, device="tpu")
+    torch.manual_seed(0)
+    assert torch.equal(torch.rand(50_000, device="tpu").cpu(), u.cpu())
+    assert 0 <= u.min().item() and u.max().item() < 1 and abs(u.mean().item() - 0.5) < 0.01
+    assert abs(n.mean().item()) < 0.02 and abs(n.std().item() - 1) < 0.02
+    kept = F.dropout(torch.ones(50_000, device="tpu"), 0.3).ne(0).float().mean().item()
+    assert abs(kept - 0.7) < 0.01

@@ -108,10 +108,10 @@ def advance(index: int, n: int) -> None:
 
 def key(seed, offset):
     """The PRNG key for one random op (traced inside the op's compiled function)."""
-    from torchtpu.runtime import jax
+    from torchtpu.runtime import jax, policy
 
     random = jax().random
-    return random.fold_in(random.key(seed), offset)
+    return random.fold_in(random.key(seed, impl=policy.prng_impl()), offset)
 
 
 def get_state(index: int) -> torch.Tensor:

@@ -95,13 +95,25 @@ EIG = Rule(
 
 
 class Policy(NamedTuple):
-    """A platform's policy: the dtypes the host keeps, the rules of its programs, and
-    the ops run outside a program (data-dependent shapes: no program to check) that
-    break a rule anyway, by name."""
+    """A platform's policy: the dtypes the host keeps, the rules of its programs, the
+    ops run outside a program (data-dependent shapes: no program to check) that break a
+    rule anyway, by name, and the JAX PRNG implementation random ops draw from (None:
+    JAX's default, threefry)."""
 
     host_dtypes: frozenset
     rules: tuple
     host_ops: dict = {}
+    prng_impl: str | None = None
+
+
+# Note [Random bits on TPU]
+#     JAX's default PRNG, threefry, is a hash unrolled into hundreds of integer ops;
+#     XLA:TPU compiles it slowly (compiled for a v5e on the CPU: a (512K,) uniform and a
+#     (32K,) normal took 18-20 s against 6-8 s with "rbg"), and every new shape of a
+#     random op, a dropout mask or a weight init, is a new program. "rbg" draws the bits
+#     with XLA's RngBitGenerator, which a TPU has in hardware, and derives keys with
+#     threefry, so seeds, offsets and torch.manual_seed behave as on every platform; the
+#     values differ from the CPU backend's, as CUDA's differ from the CPU's.
 
 
 #: Each platform's policy, by JAX platform name; a platform not listed has none.
@@ -110,6 +122,7 @@ POLICIES = {
         frozenset({torch.float64, torch.complex128}),
         (COMPLEX128, FLOAT64_INSIDE, INT64_MATMUL, SVD, EIG),
         {"aten.linalg_lstsq.default": SVD},
+        prng_impl="rbg",
     ),
     "gpu": Policy(frozenset(), (EIG,)),
 }
@@ -134,6 +147,11 @@ def _current() -> Policy:
 def active() -> bool:
     """Whether a policy applies (decided once, when first asked)."""
     return bool(_current().rules)
+
+
+def prng_impl() -> str | None:
+    """The JAX PRNG implementation random ops use here (Note [Random bits on TPU])."""
+    return _current().prng_impl
 
 
 def host_dtypes() -> frozenset:
