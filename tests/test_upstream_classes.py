@@ -256,3 +256,15 @@ def test_a_uint8_mask_assignment_warns_once_as_on_cpu():
         results.append(([str(w.message).split(" (Triggered")[0] for w in caught], x.cpu()))
     assert results[1][0] == results[0][0] and len(results[0][0]) == 1
     assert torch.equal(results[1][1], results[0][1])
+
+
+def test_index_fill_with_indices_known_on_the_host_raises_at_once():
+    # torch 2.15 makes ``x[[10]] = v`` an index_fill_: the CPU's IndexError at the call.
+    for dim, index in ((0, [10]), (1, [-8]), (-1, [7])):
+        errors = []
+        for device in ("cpu", "tpu"):
+            x = torch.zeros(10, 7, device=device)
+            with pytest.raises(IndexError) as info:
+                x.index_fill_(dim, torch.tensor(index).to(device), 1.0)
+            errors.append(str(info.value).split("\n")[0])
+        assert errors[1].startswith(errors[0])

@@ -380,6 +380,7 @@ def backward_on_calling_thread() -> None:
 
 _CPU_KEYS = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
 
+
 @functools.cache
 def _tpu_subclass(cls: type) -> type:
     """``cls`` on tpu: Note [Subclasses of tpu tensors]."""

@@ -271,14 +271,13 @@ def _index_fill_bounds(handler):
 
     def with_known_bounds(func, args, kwargs):
         self, dim, index = args[0], args[1], args[2]
-        host = _host_values(index) if self.dim() else None
-        if host is not None:
-            dim = dim % self.dim() if -self.dim() <= dim < self.dim() else dim
-            size = self.shape[dim] if 0 <= dim < self.dim() else None
-            value = None if size is None else _out_of_bounds(host, size)
+        if -self.dim() <= dim < self.dim() and (host := _host_values(index)) is not None:
+            dim %= self.dim()
+            value = _out_of_bounds(host, self.shape[dim])
             if value is not None:
                 exc = IndexError(
-                    f"index {value} is out of bounds for dimension {dim} with size {size}"
+                    f"index {value} is out of bounds for dimension {dim} with size "
+                    f"{self.shape[dim]}"
                 )
                 raise add_context(exc, func, args)
         return handler(func, args, kwargs)
