@@ -63,7 +63,9 @@ def execute(path: Path, *, timeout: int = 600):
             record_timing=False,  # no timestamps in the saved notebook
             resources={"metadata": {"path": str(path.parent)}},
         )
-        client.execute()
+        # Shut the kernel down afterwards: given a kernel manager, nbclient leaves the
+        # kernel running by default (a test run's worker held one per notebook).
+        client.execute(cleanup_kc=True)
     # Saved notebooks name the standard kernel, so Jupyter opens them with "python3".
     nb.metadata["kernelspec"] = {
         "name": "python3",
