@@ -125,7 +125,9 @@ def upsample_linear1d(self, output_size, align_corners, scales=None):
 @lowers(aten.upsample_bilinear2d.default)
 def upsample_bilinear2d(self, output_size, align_corners, scales_h=None, scales_w=None):
     if self.dtype == jnp.uint8:
-        return _resize_uint8(self, output_size, align_corners, (scales_h, scales_w), _linear_filter, 2)
+        return _resize_uint8(
+            self, output_size, align_corners, (scales_h, scales_w), _linear_filter, 2
+        )
     return _taps(self, output_size, align_corners, (scales_h, scales_w), cubic=False)
 
 
@@ -312,22 +314,42 @@ def _antialias_weights(size_in, size_out, align_corners, scale, real):
     return weights
 
 
-@lowers(aten._upsample_bilinear2d_aa.default)
-def _upsample_bilinear2d_aa(self, output_size, align_corners, scales_h=None, scales_w=None):
-    scales = (scales_h, scales_w)
+def _antialiased(self, op, output_size, align_corners, scales, filter_fn, taps, weights):
+    """An antialiased resize of the last two axes: uint8 in fixed point as the CPU's
+    kernel (Note [uint8 resizing in fixed point]), floats as one product with each
+    axis's (size_out, size_in) ``weights(size_in, size_out, scale, real)``."""
     if self.dtype == jnp.uint8:
-        return _resize_uint8(self, output_size, align_corners, scales, _linear_filter, 2, True)
+        return _resize_uint8(self, output_size, align_corners, scales, filter_fn, taps, True)
     if not jnp.issubdtype(self.dtype, jnp.floating):
-        unsupported.refuse("_upsample_bilinear2d_aa: integer input", f" (got {self.dtype})")
+        unsupported.refuse(f"{op}: integer input", f" (got {self.dtype})")
     compute = opmath_dtype(self.dtype)
-    h_in, w_in = self.shape[-2:]
     real = np.float64 if compute == jnp.float64 else np.float32
-    rows = jnp.asarray(_antialias_weights(h_in, output_size[0], align_corners, scales_h, real))
-    cols = jnp.asarray(_antialias_weights(w_in, output_size[1], align_corners, scales_w, real))
+    rows, cols = (
+        jnp.asarray(weights(n, size, scale, real), compute)
+        for n, size, scale in zip(self.shape[-2:], output_size, scales)
+    )
     out = jnp.einsum(
         "...hw,Hh,Ww->...HW", self.astype(compute), rows, cols, precision=lax.Precision.HIGHEST
     )
     return out.astype(self.dtype)
+
+
+@lowers(aten._upsample_bilinear2d_aa.default)
+def _upsample_bilinear2d_aa(self, output_size, align_corners, scales_h=None, scales_w=None):
+    def weights(n, size, scale, real):
+        return _antialias_weights(n, size, align_corners, scale, real)
+
+    scales = (scales_h, scales_w)
+    return _antialiased(
+        self,
+        "_upsample_bilinear2d_aa",
+        output_size,
+        align_corners,
+        scales,
+        _linear_filter,
+        2,
+        weights,
+    )
 
 
 # Pillow's bicubic (a = -0.5), which torch's antialiased bicubic follows.
@@ -336,22 +358,20 @@ _PILLOW_CUBIC = _cubic_filter(-0.5)
 
 @lowers(aten._upsample_bicubic2d_aa.default)
 def _upsample_bicubic2d_aa(self, output_size, align_corners, scales_h=None, scales_w=None):
+    def weights(n, size, scale, real):
+        return _filter_weights(n, size, align_corners, scale, _PILLOW_CUBIC, 4, True)
+
     scales = (scales_h, scales_w)
-    if self.dtype == jnp.uint8:
-        return _resize_uint8(self, output_size, align_corners, scales, _PILLOW_CUBIC, 4, True)
-    if not jnp.issubdtype(self.dtype, jnp.floating):
-        unsupported.refuse("_upsample_bicubic2d_aa: integer input", f" (got {self.dtype})")
-    compute = opmath_dtype(self.dtype)
-    matrices = [
-        jnp.asarray(
-            _filter_weights(n, size, align_corners, scale, _PILLOW_CUBIC, 4, True), compute
-        )
-        for n, size, scale in zip(self.shape[-2:], output_size, scales)
-    ]
-    out = jnp.einsum(
-        "...hw,Hh,Ww->...HW", self.astype(compute), *matrices, precision=lax.Precision.HIGHEST
+    return _antialiased(
+        self,
+        "_upsample_bicubic2d_aa",
+        output_size,
+        align_corners,
+        scales,
+        _PILLOW_CUBIC,
+        4,
+        weights,
     )
-    return out.astype(self.dtype)
 
 
 def _backward_of(forward):
