@@ -13,6 +13,7 @@ import torch
 import torchtpu
 from conftest import assert_same, tpu
 from torchtpu.interop.pallas import softmax as pallas_softmax
+from torchtpu.runtime import platform
 
 # -- functions used by several tests (each jax_op is a torch op: defined once) -------------
 
@@ -160,7 +161,7 @@ def test_to_jax_flushes_a_pending_value():
         y = (x * 2).exp() + 1
         a = torchtpu.to_jax(y)
     assert torchtpu.metrics()["flushes"] == {"to_jax": 1}
-    np.testing.assert_allclose(np.asarray(a), ((_data(3, 3) * 2).exp() + 1).numpy(), rtol=1e-6)
+    torch.testing.assert_close(torch.tensor(np.asarray(a)), (_data(3, 3) * 2).exp() + 1)
 
 
 def test_writing_the_tensor_leaves_a_handed_out_array_alone():
@@ -191,6 +192,25 @@ def test_bad_arguments_are_refused():
 # -- DLPack ----------------------------------------------------------------------------------
 
 
+# JAX exports host and GPU memory through DLPack, not a TPU's.
+_ON_A_TPU = platform() == "tpu"
+_NO_DLPACK = "cannot be shared through DLPack"
+
+
+def test_a_tpu_tensor_on_a_tpu_is_refused_clearly():
+    x = tpu(_data(2, 3))
+    if not _ON_A_TPU:
+        assert x.__dlpack_device__()[0] == 1  # kDLCPU: the CPU backend's memory
+        return
+    for export in (x.__dlpack__, x.__dlpack_device__, lambda: torch.utils.dlpack.to_dlpack(x)):
+        with pytest.raises(BufferError, match=_NO_DLPACK):
+            export()
+    with pytest.raises(BufferError, match=_NO_DLPACK):
+        torch.from_dlpack(x)
+    assert_same(torchtpu.from_dlpack(x), _data(2, 3))  # tpu to tpu: no DLPack needed
+
+
+@pytest.mark.skipif(_ON_A_TPU, reason="JAX exports no TPU memory through DLPack")
 def test_jax_dlpack_consumes_a_tpu_tensor_without_copy():
     x = tpu(_data(4, 5))
     a = jax.dlpack.from_dlpack(x)
@@ -198,6 +218,7 @@ def test_jax_dlpack_consumes_a_tpu_tensor_without_copy():
     np.testing.assert_array_equal(np.asarray(a), _data(4, 5).numpy())
 
 
+@pytest.mark.skipif(_ON_A_TPU, reason="JAX exports no TPU memory through DLPack")
 def test_torch_from_dlpack_reads_a_tpu_tensor():
     # On the CPU backend a tpu tensor's array is host memory: torch makes a CPU tensor on it.
     x = tpu(_data(2, 3))
@@ -207,6 +228,7 @@ def test_torch_from_dlpack_reads_a_tpu_tensor():
     torch.testing.assert_close(c, _data(2, 3))
 
 
+@pytest.mark.skipif(_ON_A_TPU, reason="JAX exports no TPU memory through DLPack")
 def test_legacy_capsule_round_trip():
     x = tpu(_data(3, 2))
     back = torchtpu.from_dlpack(torch.utils.dlpack.to_dlpack(x))
@@ -248,6 +270,32 @@ def test_jax_op_in_each_mode(mode):
     assert set(out) == {"a", "b"}
     assert_same(out["a"], expected["a"])
     assert_same(out["b"], expected["b"], rtol=1e-5, atol=1e-5)
+
+
+_precisions_seen = []
+
+
+@torchtpu.jax_op
+def product_at_traced_precision(x):
+    _precisions_seen.append(jax.config.jax_default_matmul_precision)
+    return x @ x
+
+
+def test_products_in_a_jax_op_follow_torchs_matmul_precision():
+    """Note [Matmul precision in JAX functions]: exact float32 at torch's default,
+    where JAX's own default on a TPU is one bfloat16 pass."""
+    x = tpu(_data(4, 4))
+    product_at_traced_precision(x)
+    try:
+        torch.set_float32_matmul_precision("medium")
+        product_at_traced_precision(x)  # a new key: traced again
+        with torch.tpu.precision("high"):
+            product_at_traced_precision(x)
+    finally:
+        torch.set_float32_matmul_precision("highest")
+    product_at_traced_precision(x)  # the first plan again
+    # (None: the shape-only trace of the fake kernel, which computes nothing)
+    assert [p for p in _precisions_seen if p is not None] == ["highest", "default", "high"]
 
 
 def test_strict_runs_one_jitted_call():

@@ -58,6 +58,14 @@ def programs():
     yield "float32 svd", lambda: torch.linalg.svd(x)
     yield "float32 lstsq", lambda: torch.linalg.lstsq(x, x)
     yield "int64 arithmetic", lambda: (i * 3 + 2**40) // 7
+    # float32 ops whose lowerings once built float64 arrays (a probability, a fill
+    # value, a range's steps), and so ran on the host on a TPU
+    yield "float32 dropout", lambda: torch.nn.functional.dropout(x, 0.1, True)
+    yield "float32 bernoulli_", lambda: x.clone().bernoulli_(0.3)
+    yield "float32 full", lambda: torch.full((3,), 0.3, device="tpu")
+    yield "float32 arange", lambda: torch.arange(0, 1, 0.1, device="tpu")
+    yield "float32 linspace", lambda: torch.linspace(0, 1, 5, device="tpu")
+    yield "float32 angle", lambda: x.angle()
 
 def main():
     warnings.simplefilter("ignore")
@@ -92,7 +100,16 @@ def test_under_the_tpu_policy_nothing_reaches_xla_tpu_that_it_aborts_on_or_refus
     bad = {name: v for name, v in verdicts.items() if any(o != "ok" for _, o in v)}
     assert not bad, bad
     # what stays on the device was compiled for it
-    for name in ("float32 matmul", "int64 arithmetic"):
+    for name in (
+        "float32 matmul",
+        "int64 arithmetic",
+        "float32 dropout",
+        "float32 bernoulli_",
+        "float32 full",
+        "float32 arange",
+        "float32 linspace",
+        "float32 angle",
+    ):
         assert verdicts[name] and all(o == "ok" for _, o in verdicts[name]), name
 
 
@@ -105,3 +122,22 @@ def test_without_the_policy_xla_tpu_aborts(tmp_path):
     assert "abort" in outcomes["float32 lstsq"]
     assert "error" in outcomes["int64 matmul"]
     assert outcomes["float32 matmul"] == {"ok"}
+
+
+def test_the_pallas_softmax_compiles_for_a_tpu(monkeypatch):
+    """Note [Pallas kernels trace in 32 bits]: with 64-bit types on, the kernels'
+    index maps returned int64 and Mosaic failed to compile them on the chip."""
+    import jax
+    import jax.numpy as jnp
+
+    from torchtpu.interop import pallas
+
+    monkeypatch.setattr(pallas, "_interpret", lambda: False)  # Mosaic, as on a TPU
+    x = jnp.ones((16, 128), jnp.float32)
+    compiler = xla_tpu.Compiler()
+    try:
+        for kernel in (lambda x: pallas._forward(-1, x), lambda x: pallas._backward(0, x, x)):
+            text = jax.jit(kernel).trace(x).lower(lowering_platforms=("tpu",)).as_text()
+            assert compiler.compile(text) == ("ok", "")
+    finally:
+        compiler.close()

@@ -32,7 +32,7 @@ from torchtpu.dispatch import defer
 from torchtpu.dispatch.pending import Pending
 from torchtpu.dispatch.values import OutMeta, contiguous, materialize, wrap
 from torchtpu.observe import metrics
-from torchtpu.runtime import current_index, devices, jax
+from torchtpu.runtime import current_index, devices, jax, policy
 from torchtpu.tensor import TPUTensor
 
 __all__ = ["from_dlpack", "from_jax", "to_jax"]
@@ -88,7 +88,9 @@ def from_jax(array) -> torch.Tensor:
         dtype = dtypes.to_torch(array.dtype)
     except (KeyError, TypeError):
         raise TypeError(f"from_jax: torch has no dtype for a jax array of {array.dtype}") from None
-    index = _device_index(array)
+    index = _device_index(array, dtype)
+    if dtype in policy.host_dtypes() and array.devices() != {policy.host_device()}:
+        array = jx.device_put(array, policy.host_device())  # where such tensors live
     shape = tuple(array.shape)
     metrics.count("interop", "from_jax zero-copy")
     return wrap(array, OutMeta(shape, contiguous(shape), dtype), index)
@@ -115,7 +117,7 @@ def from_dlpack(obj) -> torch.Tensor:
     return from_jax(array)
 
 
-def _device_index(array) -> int:
+def _device_index(array, dtype: torch.dtype) -> int:
     if tracing._active is not None and isinstance(array, jax().core.Tracer):
         return current_index()  # an array of the program being traced (torchtpu.jit)
     placed = array.devices()
@@ -127,6 +129,10 @@ def _device_index(array) -> int:
     (where,) = placed
     if where in devices():
         return devices().index(where)
+    if dtype in policy.host_dtypes() and where == policy.host_device():
+        # float64 and complex128 tensors keep their arrays on the host on a TPU
+        # (runtime/policy.py): this is what to_jax hands out for one.
+        return current_index()
     raise ValueError(
         f"from_jax: the array is on {where}, which is not a tpu device (those are "
         f"{list(devices())}); jax.device_put(array, jax.devices()[0]) moves it"
@@ -146,12 +152,31 @@ def dlpack_capsule(tensor: TPUTensor, kwargs: dict):
     """``tensor.__dlpack__(**kwargs)``: the capsule of its jax array (`to_jax`)."""
     if tensor.requires_grad:
         raise BufferError("Can't export tensors that require gradient, use tensor.detach()")
-    return to_jax(tensor).__dlpack__(**{k: v for k, v in kwargs.items() if v is not None})
+    array = _exportable(to_jax(tensor))
+    return array.__dlpack__(**{k: v for k, v in kwargs.items() if v is not None})
 
 
 def dlpack_device(tensor: TPUTensor):
     """``tensor.__dlpack_device__()``: the DLPack device of its jax array."""
-    return to_jax(tensor).__dlpack_device__()
+    return _exportable(to_jax(tensor)).__dlpack_device__()
+
+
+# The platforms whose memory JAX exports through DLPack.
+_DLPACK_PLATFORMS = ("cpu", "cuda", "rocm", "gpu")
+
+
+def _exportable(array):
+    """``array``, if DLPack can share its memory; else a BufferError saying what to do.
+    (JAX exports host and GPU memory only: on a TPU it raises a BufferError or an
+    XLA error, depending on the call, that names neither the tensor nor a way out.)"""
+    (where,) = array.devices()
+    if where.platform not in _DLPACK_PLATFORMS:
+        raise BufferError(
+            f"a tpu tensor on {where.platform.upper()} memory cannot be shared through "
+            "DLPack (JAX exports CPU and GPU memory only): copy it with t.cpu(), or hand "
+            "it to JAX with torchtpu.to_jax(t)"
+        )
+    return array
 
 
 tensor_module.hooks.dlpack_capsule = dlpack_capsule

@@ -44,6 +44,15 @@ Note [Complex gradients]
     JAX: the plain one), so the default backward conjugates both sides. A user's
     ``backward`` gets and returns torch's convention.
 
+Note [Matmul precision in JAX functions]
+    A product inside the function (``x @ w``, ``jnp.einsum``, a convolution) without a
+    ``precision=`` of its own computes at torch's float32 matmul precision, as torch's
+    own ops on tpu tensors do (matmul_precision.py): exact float32 at torch's default
+    "highest", where JAX's own default on a TPU is one bfloat16 pass. The function is
+    traced under ``jax.default_matmul_precision``, and the setting is part of the op's
+    cache key, so ``torch.set_float32_matmul_precision("medium")`` gives it bfloat16
+    passes too. A ``precision=`` written in the function wins.
+
 Note [Backward recomputes the forward]
     The ``_vjp`` op takes the primal inputs, not JAX's residuals (torch saves tensors,
     and a residual has no torch type), so ``jax.vjp`` traces the forward again inside
@@ -452,13 +461,16 @@ def _define(function: JaxFunction, name: str | None):
     _library.impl(vjp_name, vjp_cpu, "CPU")
 
     # tpu tensors: lowerings in the one op table; the dispatcher does the rest.
-    @lowers(op)
-    def forward(tensors, numbers, spec):
-        return function.forward(spec, tensors, numbers)
+    # Note [Matmul precision in JAX functions]: a product in the function is torch's.
+    @lowers(op, precision=True)
+    def forward(tensors, numbers, spec, *, precision):
+        with jax().default_matmul_precision(precision.name.lower()):
+            return function.forward(spec, tensors, numbers)
 
-    @lowers(vjp_op)
-    def vjp(tensors, cotangents, numbers, spec):
-        return function.vjp(spec, tensors, cotangents, numbers)
+    @lowers(vjp_op, precision=True)
+    def vjp(tensors, cotangents, numbers, spec, *, precision):
+        with jax().default_matmul_precision(precision.name.lower()):
+            return function.vjp(spec, tensors, cotangents, numbers)
 
     forward.__name__ = forward.__qualname__ = op_name
     vjp.__name__ = vjp.__qualname__ = vjp_name

@@ -16,6 +16,15 @@ arrays, and decorate that with ``@torchtpu.jax_op``. Example::
 
     x = torch.randn(64, 128, device="tpu", requires_grad=True)
     softmax(x, dim=-1).sum().backward()
+
+Note [Pallas kernels trace in 32 bits]
+    torchtpu runs JAX with 64-bit types on (int64 tensors keep their meaning), and
+    then a Python int in a kernel -- the ``0`` of an index map ``lambda i: (i, 0)``, a
+    ``fori_loop`` bound -- is an int64. Mosaic, Pallas's TPU compiler, has no 64-bit
+    integers and fails ("failed to legalize operation 'func.return' ... (i32, i64)").
+    So a ``pallas_call`` is made and called under ``jax.enable_x64(False)``: the
+    kernel sees JAX's defaults, as it would in a plain JAX program. The arrays passed
+    in keep their dtypes. A kernel of your own needs the same ``with``.
 """
 
 from __future__ import annotations
@@ -58,14 +67,15 @@ def _rowwise(kernel, *arrays):
     rows, cols = arrays[0].shape
     block_rows = min(BLOCK_ROWS, rows)  # fewer rows: one block of all of them
     block = pl.BlockSpec((block_rows, cols), lambda i: (i, 0))
-    return pl.pallas_call(
-        kernel,
-        out_shape=jax().ShapeDtypeStruct(arrays[0].shape, arrays[0].dtype),
-        grid=(pl.cdiv(rows, block_rows),),
-        in_specs=[block] * len(arrays),
-        out_specs=block,
-        interpret=_interpret(),
-    )(*arrays)
+    with jax().enable_x64(False):  # Note [Pallas kernels trace in 32 bits]
+        return pl.pallas_call(
+            kernel,
+            out_shape=jax().ShapeDtypeStruct(arrays[0].shape, arrays[0].dtype),
+            grid=(pl.cdiv(rows, block_rows),),
+            in_specs=[block] * len(arrays),
+            out_specs=block,
+            interpret=_interpret(),
+        )(*arrays)
 
 
 def _as_rows(fn):

@@ -348,7 +348,8 @@ def sinc(self):
 def angle(self):
     if jnp.iscomplexobj(self):
         return jnp.angle(self)
-    return jnp.where(jnp.isnan(self), self, jnp.where(self < 0, jnp.pi, 0.0).astype(self.dtype))
+    pi, zero = jnp.asarray(jnp.pi, self.dtype), jnp.zeros((), self.dtype)  # not float64 arrays
+    return jnp.where(jnp.isnan(self), self, jnp.where(self < 0, pi, zero))
 
 
 @lowers(aten.logit.default, promote="int_to_float")

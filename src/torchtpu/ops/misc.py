@@ -6,6 +6,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import torch
 from jax import lax
 
@@ -90,8 +91,9 @@ def _cdist_backward(grad, x1, x2, p, cdist):
 
 
 def _pairs(n):
-    """The row pairs (i < j) of pdist, in its output order."""
-    return jnp.triu_indices(n, 1)
+    """The row pairs (i < j) of pdist, in its output order (constants: jnp's would
+    build a float64 mask in the program)."""
+    return np.triu_indices(n, 1)
 
 
 @lowers(aten._pdist_forward.default)

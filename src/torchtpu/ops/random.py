@@ -83,9 +83,18 @@ def _check_probabilities(p):
     )
 
 
+def _probability(p, dtype):
+    """A probability given as a number, in the precision its draws are compared in:
+    float64 for a float64 result, float32 otherwise. (A Python float is a float64
+    number, and ``jax.random`` would draw float64 uniforms against it: on a TPU those
+    run on the host -- a dropout mask per layer copied over each step.)"""
+    return jnp.asarray(p, jnp.float64 if dtype == jnp.float64 else jnp.float32)
+
+
 @lowers(aten.bernoulli_.float, random=True)
 def bernoulli_float_(self, p=0.5, generator=None, *, key):
     _check_p(p)
+    p = _probability(p, self.dtype)
     return flat_draw(jax.random.bernoulli, key, self.shape, p=p).astype(self.dtype)
 
 
@@ -105,6 +114,7 @@ def bernoulli(self, generator=None, *, key):
 @lowers(aten.bernoulli.p, random=True)
 def bernoulli_p(self, p, generator=None, *, key):
     _check_p(p)
+    p = _probability(p, self.dtype)
     return flat_draw(jax.random.bernoulli, key, self.shape, p=p).astype(self.dtype)
 
 
@@ -118,6 +128,7 @@ def exponential_(self, lambd=1.0, generator=None, *, key):
 
 @lowers(aten.geometric_.default, random=True)
 def geometric_(self, p, generator=None, *, key):
+    p = _probability(p, self.dtype)
     return flat_draw(jax.random.geometric, key, self.shape, p=p).astype(self.dtype)
 
 
@@ -194,7 +205,7 @@ def native_dropout(input, p, train, *, key):
         return input, jnp.ones(input.shape, jnp.bool_)
     if p == 1:
         return jnp.zeros_like(input), jnp.zeros(input.shape, jnp.bool_)
-    keep = flat_draw(jax.random.bernoulli, key, input.shape, p=1.0 - p)
+    keep = flat_draw(jax.random.bernoulli, key, input.shape, p=_probability(1.0 - p, input.dtype))
     scale = jnp.asarray(1.0 / (1.0 - p), input.dtype)
     return jnp.where(keep, input * scale, jnp.zeros((), input.dtype)), keep
 
