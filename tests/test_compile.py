@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.metadata
+import math
 import os
 import subprocess
 import sys
@@ -147,6 +148,85 @@ def test_compiled_matches_eager_in_every_mode(mode):
     torch.testing.assert_close(compiled(x).cpu(), eager_model(x).cpu(), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(model.bn.running_mean.cpu(), eager_model.bn.running_mean.cpu())
     assert int(model.bn.num_batches_tracked.item()) == 1
+
+
+# -- a whole training step compiled, optimizer included ----------------------------------
+
+OPTIMIZERS = {
+    "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+    "adam": lambda ps: torch.optim.Adam(ps, lr=1e-2),
+    "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2),
+    "adamw_foreach": lambda ps: torch.optim.AdamW(ps, lr=1e-2, foreach=True),
+    "adamw_fused": lambda ps: torch.optim.AdamW(ps, lr=1e-2, fused=True),
+}
+
+
+def _small_step(model, opt):
+    def step(x, y):
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        return loss
+
+    return step
+
+
+def _small_training(device, optimizer, compiled, eager_steps=0, steps=3):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)).to(device)
+    opt = OPTIMIZERS[optimizer](model.parameters())
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(5, 6, generator=g).to(device), torch.randint(0, 3, (5,), generator=g)
+    y = y.to(device)
+    step = _small_step(model, opt)
+    losses = [step(x, y).item() for _ in range(eager_steps)]
+    step = torch.compile(step, backend="tpu") if compiled else step
+    losses += [step(x, y).item() for _ in range(steps)]
+    return losses, model, opt
+
+
+@pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
+def test_a_whole_step_compiles_with_its_optimizer(mode, optimizer):
+    """loss, backward and ``opt.step()`` in one compiled function. AdamW's ``step``
+    state was a 0-d CPU tensor the graph wrote back through a storage-less handle
+    (AttributeError: no ``_storage``); it now counts on the device, as on CUDA."""
+    losses, model, opt = _small_training("tpu", optimizer, compiled=True)
+    expected, cpu_model, cpu_opt = _small_training("cpu", optimizer, compiled=False)
+    assert losses == pytest.approx(expected, rel=1e-5, abs=1e-6)
+    for p, q in zip(model.parameters(), cpu_model.parameters()):
+        torch.testing.assert_close(p.detach().cpu(), q.detach(), rtol=1e-5, atol=1e-5)
+    if optimizer != "sgd":
+        step = opt.state[next(model.parameters())]["step"]
+        assert step.device.type == "tpu" and step.item() == 3
+
+
+def test_a_compiled_step_after_eager_steps_matches_cpu():
+    """Eager steps make AdamW's state first, its ``step`` a 0-d CPU tensor; Dynamo
+    moves it to the parameters' device when it compiles the step, as on CUDA."""
+    losses, model, opt = _small_training("tpu", "adamw", compiled=True, eager_steps=2)
+    expected, cpu_model, _ = _small_training("cpu", "adamw", compiled=False, eager_steps=2)
+    assert losses == pytest.approx(expected, rel=1e-5, abs=1e-6)
+    step = opt.state[next(model.parameters())]["step"]
+    assert step.device.type == "tpu" and step.item() == 5
+    for p, q in zip(model.parameters(), cpu_model.parameters()):
+        torch.testing.assert_close(p.detach().cpu(), q.detach(), rtol=1e-5, atol=1e-5)
+
+
+def test_a_compiled_function_writes_a_cpu_counter_back(mode):
+    """A 0-d CPU tensor the graph mutates is written back from the graph's result, a
+    storage-less handle (AttributeError: no ``_storage`` before)."""
+    counter = torch.tensor(0.0)
+
+    @torch.compile(backend="tpu")
+    def f(x, counter):
+        counter.add_(1)
+        return x * counter
+
+    x = torch.ones(3, device="tpu")
+    outs = [f(x, counter).cpu() for _ in range(3)]
+    assert counter.device.type == "cpu" and counter.item() == 3
+    assert [o.tolist() for o in outs] == [[1.0] * 3, [2.0] * 3, [3.0] * 3]
 
 
 # -- torch.compile in DeferAndFuse: graphs join the step's chunk ------------------------
@@ -485,6 +565,32 @@ def test_jit_in_every_mode(mode):
         return [step(x).item() for _ in range(4)]
 
     torch.testing.assert_close(run("tpu", True), run("cpu", False))
+
+
+def test_jit_state_is_what_outlives_the_step(mode):
+    """The program's state is what outlives the first (eager) call: the parameters,
+    the optimizer's state and that call's gradients -- not the activations and other
+    temporaries it also touched (kept alive by the watch, they were state too)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 2))
+    model = model.to("tpu")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    step = torchtpu.jit(_square_loss_step(model, opt))
+    x = torch.randn(8, 4).to("tpu")
+    step(x).item()
+    params = list(model.parameters())
+    # (The first call's gradients stay state although the traced step sets new ones
+    # after zero_grad: a gradient-sized input the program does not read.)
+    expected = {id(p._storage) for p in params} | {id(p.grad._storage) for p in params}
+    for _ in range(2):
+        step(x).item()
+    for p in params:
+        expected |= {id(v._storage) for v in opt.state[p].values()}  # moments, step
+    assert {id(s) for s in step._state} == expected
+    assert len(step._state) == 5 * len(params)
+    per_parameter = sum(p.numel() * p.element_size() for p in params)
+    state_bytes = sum(math.prod(s.shape) * s.dtype.itemsize for s in step._state)
+    assert state_bytes == 4 * per_parameter + 4 * len(params)
 
 
 def test_jit_replays_without_running_python_ops():

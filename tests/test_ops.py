@@ -1461,6 +1461,98 @@ def test_attention_modes(mode):
     )
 
 
+_GQA_Q = _randn(2, 4, 3, 4)
+_MASKED_ROW = _BOOL_MASK.clone()
+_MASKED_ROW[1] = False  # a query that sees nothing: zeros, as torch's math path gives
+
+MORE_ATTENTION = [
+    _case(
+        "sdpa_gqa_causal",
+        lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True),
+        _GQA_Q,
+        _K,
+        _VV,
+    ),
+    _case(
+        "sdpa_masked_row",
+        lambda q, k, v, m: F.scaled_dot_product_attention(q, k, v, attn_mask=m),
+        _Q,
+        _K,
+        _VV,
+        _MASKED_ROW,
+    ),
+]
+
+
+@pytest.mark.parametrize("fn,args", MORE_ATTENTION)
+def test_more_attention(fn, args):
+    check(fn, *args, grad=True)
+
+
+def test_attention_is_one_op_in_the_inputs_dtype():
+    """ops/attention.py: bfloat16 attention stays bfloat16 (float32 only inside), and
+    autograd saves q, k and v -- not torch's math path's float32 copies of them and its
+    float32 [B, H, L, S] probabilities."""
+    q, k, v = (tpu(t.bfloat16()).requires_grad_() for t in (_Q, _K, _VV))
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        torchtpu.reset_metrics()
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert torchtpu.metrics()["ops"] == {"strict": 1}
+    assert out.dtype == torch.bfloat16
+    assert [(t.dtype, tuple(t.shape)) for t in saved] == [
+        (torch.bfloat16, tuple(x.shape)) for x in (q, k, v)
+    ]
+    out.sum().backward()
+    assert q.grad.dtype == k.grad.dtype == v.grad.dtype == torch.bfloat16
+
+
+def test_bfloat16_attention_is_as_accurate_as_the_cpus():
+    """Against float64, bfloat16 attention on tpu (bfloat16 products, float32 softmax
+    and accumulation) errs about as much as torch's CPU kernels do: values and
+    gradients both within a bfloat16 rounding or two, so they differ from each other
+    by that too (beyond assert_same's bfloat16 atol for values near 0)."""
+
+    def run(device, dtype):
+        q, k, v = (t.to(dtype).to(device).requires_grad_() for t in (_Q, _K, _VV))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        out.backward(_randn(*out.shape, seed=5).to(dtype).to(device))
+        return [t.detach().cpu().double() for t in (out, q.grad, k.grad, v.grad)]
+
+    truth, cpu, on_tpu = (
+        run("cpu", torch.float64),
+        run("cpu", torch.bfloat16),
+        run("tpu", torch.bfloat16),
+    )
+    for exact, c, t in zip(truth, cpu, on_tpu):
+        assert (t - exact).abs().max() <= 2 * (c - exact).abs().max() + 1e-3
+
+
+def test_attention_with_dropout_or_a_learned_mask_takes_torchs_path():
+    # A mask that requires a gradient (a learned bias) gets it, through torch's math path.
+    check(
+        lambda q, k, v, m: F.scaled_dot_product_attention(q, k, v, attn_mask=m),
+        _Q,
+        _K,
+        _VV,
+        _FLOAT_MASK,
+        grad=True,
+    )
+    q, k, v = (tpu(t) for t in (_Q, _K, _VV))
+    out = F.scaled_dot_product_attention(q, k, v, dropout_p=0.5)
+    assert out.shape == _Q.shape and out.isfinite().all()
+
+
+def test_attention_refuses_what_torch_refuses():
+    check_raises_like_cpu(F.scaled_dot_product_attention, _Q, _K[..., :3], _VV)
+    check_raises_like_cpu(
+        lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=_BOOL_MASK[:2]),
+        _Q,
+        _K,
+        _VV,
+    )
+
+
 INTERPOLATE = [
     _case("nearest", lambda x: F.interpolate(x, size=(9, 5), mode="nearest"), _IMG),
     _case("nearest_scale", lambda x: F.interpolate(x, scale_factor=2, mode="nearest"), _IMG),

@@ -98,6 +98,42 @@ def dynamo_inline_when_called(trace_rules, module) -> None:
         trace_rules.BUILTIN_INLINE_WHEN_CALLED.add(trace_rules._module_dir(module))
 
 
+def destroy_library(library: torch.library.Library) -> None:
+    """Undo what ``library`` defined and registered (torch 2.11-2.15:
+    ``Library._destroy``; torch does it when the object is collected, which a
+    traceback holding its module can delay past the point where a retry defines the
+    same ops again)."""
+    library._destroy()
+
+
+def dynamo_makes_optimizers_capturable_on(device_type: str) -> None:
+    """Under torch.compile, Dynamo turns a new optimizer's ``capturable`` on -- its
+    ``step`` counts on the parameters' device, so a compiled step makes no host round
+    trip per parameter -- for CUDA and XPU parameters only (torch 2.11-2.15:
+    ``OptimizerVariable._set_capturable`` tests ``p.is_cuda or p.is_xpu``). Do the same
+    for ``device_type``'s, as torch's eager optimizers allow for the PrivateUse1 device
+    (``optim.optimizer._get_capturable_supported_devices``)."""
+    from torch._dynamo.variables import optimizer
+
+    original = optimizer.OptimizerVariable._set_capturable
+    if getattr(original, "for_device", None) == device_type:
+        return
+
+    def _set_capturable(self, tx):
+        for group in self.value.param_groups:
+            params = group.get("params", [])
+            if (
+                "capturable" in group
+                and params
+                and all(p.device.type == device_type and p not in self.value.state for p in params)
+            ):
+                group["capturable"] = True
+        return original(self, tx)
+
+    _set_capturable.for_device = device_type
+    optimizer.OptimizerVariable._set_capturable = _set_capturable
+
+
 # -- JAX -------------------------------------------------------------------------------
 # JAX's internals torchtpu reads, each behind one function here (checked: JAX 0.10.x;
 # pyproject.toml pins that range). Nothing here imports JAX at module level: ``import

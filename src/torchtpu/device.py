@@ -9,6 +9,8 @@ This module *is* ``torch.tpu``: the cuda-like device module.
 
 from __future__ import annotations
 
+import functools
+import math
 import os
 import sys
 import threading
@@ -451,6 +453,49 @@ def _one_hot(self, num_classes=-1):
     return one_hot_checked(self, num_classes)
 
 
+@functools.lru_cache(maxsize=256)
+def _check_attention_arguments(described, dropout_p, is_causal, scale, enable_gqa) -> None:
+    """torch's checks of attention's arguments, on meta tensors of these (shape, dtype)s:
+    the composite on meta costs ~1.7 ms, so each signature that passes is remembered."""
+    meta = [None if d is None else torch.empty(d[0], dtype=d[1], device="meta") for d in described]
+    torch.ops.aten.scaled_dot_product_attention(
+        *meta[:3], meta[3], dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa
+    )
+
+
+def _scaled_dot_product_attention(
+    query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False
+):
+    """One op in the inputs' dtype instead of torch's float32 math path
+    (ops/attention.py). torch's own checks of the arguments run first, on meta tensors,
+    so a bad call raises the CPU's error (under torch.compile the arguments are fake
+    tensors, checked when Dynamo traced the call). Dropout, and a mask that requires a
+    gradient, take torch's math path."""
+    from torchtpu.ops.attention import attention_op
+    from torchtpu.tensor import TPUTensor
+
+    if isinstance(query, TPUTensor):
+        described = tuple(
+            None if t is None else (tuple(t.shape), t.dtype) for t in (query, key, value, attn_mask)
+        )
+        _check_attention_arguments(described, dropout_p, is_causal, scale, enable_gqa)
+    if dropout_p > 0 or (attn_mask is not None and attn_mask.requires_grad):
+        return torch.ops.aten._scaled_dot_product_attention_math(
+            query,
+            key,
+            value,
+            attn_mask,
+            dropout_p,
+            is_causal,
+            None,
+            scale=scale,
+            enable_gqa=enable_gqa,
+        )[0]
+    if scale is None:
+        scale = 1.0 / math.sqrt(query.shape[-1])  # as torch: 1 / sqrt(E)
+    return attention_op(query, key, value, attn_mask, is_causal, scale, enable_gqa)
+
+
 def _check_ctc_lengths(log_probs, targets, input_lengths, target_lengths) -> None:
     """The CPU kernel's checks of lengths the host holds, in its order and words (the
     lowering checks lengths on the device too, without their values)."""
@@ -504,11 +549,14 @@ def load_runtime():
             import torchtpu.interop.arrays  # noqa: F401  (TPUTensor's DLPack protocol)
             from torchtpu.dispatch.core import dispatch
         except BaseException:
-            # Never half a table: what this attempt imported goes, so the next one (and
-            # its error) starts from scratch instead of registering lowerings twice.
+            # Never half a table: what this attempt imported goes, with the torch ops it
+            # defined, so the next one (and its error) starts from scratch instead of
+            # registering lowerings or defining ops twice.
             for name in set(sys.modules) - before:
                 if name.startswith("torchtpu."):
-                    del sys.modules[name]
+                    for value in list(vars(sys.modules.pop(name)).values()):
+                        if isinstance(value, torch.library.Library):
+                            _compat.destroy_library(value)
             raise
         _dispatch = dispatch
     return _dispatch
@@ -529,6 +577,9 @@ def register() -> None:
     _library.impl("_local_scalar_dense", _local_scalar_dense, "PrivateUse1")
     _library.impl("ctc_loss.Tensor", _ctc_loss_lengths_on_device, "AutogradPrivateUse1")
     _library.impl("one_hot", _one_hot, "AutogradPrivateUse1")
+    _library.impl(
+        "scaled_dot_product_attention", _scaled_dot_product_attention, "AutogradPrivateUse1"
+    )
     for name in _QUANTIZED_ALLOCATIONS:
         _library.impl(name, _quantized_allocation, "QuantizedPrivateUse1")
     for name in _FACTORIES:

@@ -212,6 +212,9 @@ if config.compile_capture_scalars:
     torch._dynamo.config.capture_scalar_outputs = True
     torch.fx.experimental._config.soft_pending_unbacked_not_found_error = True
 
+# A compiled optimizer step counts its steps on the device, as on CUDA (_compat.py).
+_compat.dynamo_makes_optimizers_capturable_on("tpu")
+
 # Found through the entry point, Dynamo registers it itself once this module loads
 # (and would refuse a second registration); imported directly, it registers here.
 if "tpu" not in _registry._BACKENDS:

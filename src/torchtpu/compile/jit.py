@@ -69,17 +69,22 @@ _MAX_REDISCOVERIES = 4
 
 
 class _Watch:
-    """Collects the storages of the TPUTensors every op touches (a dispatch watcher)."""
+    """Collects the storages of the TPUTensors every op touches (a dispatch watcher).
+
+    It holds them weakly: the step's temporaries (activations, the old arrays of what
+    it rebinds) die as the step goes, so what is alive at its end is what outlives it.
+    Held strongly, every temporary would have become program state (a 4-layer GPT's
+    first call kept 519 storages, 5.2 GiB, where its state is 212, 0.79 GiB)."""
 
     def __init__(self):
-        self.storages: dict[int, object] = {}
+        self.storages = weakref.WeakValueDictionary()  # id -> storage, while alive
         self.versions: dict[int, int] = {}  # each storage's version when first touched
 
     def __call__(self, args, kwargs) -> None:
         for leaf in pytree.tree_leaves((args, kwargs)):
             if type(leaf) is TPUTensor and leaf._inner is None:
                 s = leaf._storage
-                if id(s) not in self.storages:
+                if id(s) not in self.storages:  # new (or a dead one's id, reused)
                     self.storages[id(s)] = s
                     self.versions[id(s)] = s.version
 
@@ -255,7 +260,7 @@ class StepFunction:
             for t in pytree.tree_leaves((call_args, call_kwargs, result))
             if isinstance(t, TPUTensor)
         }
-        self._state = [s for key, s in watch.storages.items() if key not in own]
+        self._state = [s for key, s in list(watch.storages.items()) if key not in own]
         self._donated = tuple(
             i for i, s in enumerate(self._state) if watch.versions[id(s)] != s.version
         )

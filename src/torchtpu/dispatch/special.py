@@ -15,7 +15,7 @@ from torch.utils._pytree import tree_map
 
 from torchtpu import storage as storage_module
 from torchtpu import tensor as tensor_module
-from torchtpu.dispatch import checks, plans, schema
+from torchtpu.dispatch import checks, defer, plans, schema
 from torchtpu.dispatch.meta import on_meta
 from torchtpu.dispatch.values import (
     OutMeta,
@@ -23,6 +23,7 @@ from torchtpu.dispatch.values import (
     host_value,
     materialize,
     move,
+    to_host,
     wrap,
 )
 from torchtpu.observe.locations import name_op, user_stacklevel
@@ -91,6 +92,11 @@ def _copy_(func, args, kwargs):
     dst, src = args[0], args[1]
     if not isinstance(dst, TPUTensor):
         # tpu -> cpu
+        if type(src) is torch.Tensor and hasattr(src, "_jax"):
+            # A compiled graph's result (a handle: compile/handles.py) written back into
+            # a CPU input the graph mutated, by AOTAutograd's epilogue: the CPU ``step``
+            # of an optimizer whose state was made before torch.compile saw it.
+            return dst.copy_(to_host(defer.resolve(src._jax, "copy to the CPU")))
         return dst.copy_(host_value(src))
     whole = (
         not dst._chain

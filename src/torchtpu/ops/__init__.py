@@ -9,6 +9,7 @@ from torchtpu.runtime import jax as _configure_jax
 _configure_jax()
 
 from torchtpu.ops import (  # noqa: E402, F401  (each module registers its lowerings)
+    attention,
     elementwise,
     factories,
     fft,
