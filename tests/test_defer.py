@@ -99,6 +99,32 @@ def test_queue_bound_flushes(deferred, monkeypatch):
     assert_same(x, torch.full((3,), 20.0))
 
 
+@pytest.mark.parametrize("layers", [8, 13, 21])
+def test_a_step_longer_than_the_queue_compiles_nothing_after_step_two(monkeypatch, layers):
+    """A step of more ops than ``defer_max_ops`` flushes as the queue fills, and ends
+    with a flush too: each step starts its queue where the last did, the cuts fall on
+    the same ops, and the chunks repeat. (Without the step-end flush the cuts drifted
+    through the step and new phases compiled for several steps.)"""
+    monkeypatch.setattr(torchtpu.config, "defer_max_ops", 64)
+    torch.manual_seed(0)
+    blocks = [m for _ in range(layers) for m in (nn.Linear(8, 8), nn.LayerNorm(8), nn.GELU())]
+    model = nn.Sequential(*blocks).to("tpu")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x = torch.randn(4, 8, device="tpu")
+    compiles = []
+    with torch.tpu.set_eager_mode("defer"):
+        for _ in range(7):
+            torchtpu.reset_metrics()
+            opt.zero_grad()
+            loss = model(x).square().mean()
+            loss.backward()
+            opt.step()
+            loss.item()
+            compiles.append(torchtpu.metrics().get("compiles", {}).get("chunk", 0))
+            assert _flushes().get("queue full", 0) > 0
+    assert compiles[2:] == [0] * 5, compiles
+
+
 def test_only_live_values_are_outputs(deferred):
     x = torch.randn(8, device="tpu")
     a = x * 2

@@ -81,6 +81,8 @@ class _ThreadQueues(threading.local):
         self.by_device: dict[int, _Queue] = {}
         self.runs = 0  # chunks this thread has run
         self.runs_at_step_end = 0  # ... when the last optimizer step ended
+        self.full_runs = 0  # chunks run because the queue was full
+        self.full_runs_at_step_end = 0
 
 
 _threads = _ThreadQueues()
@@ -288,13 +290,18 @@ def _end_of_step(optimizer, args, kwargs) -> None:
     chunk, so a loop that reads no value still runs one cached chunk per step (Note
     [Where a full queue is cut] covers loops without an optimizer). A step during which
     a chunk ran already (the loop read its loss) is bounded by those reads: its
-    optimizer ops join the next step's chunk, one flush per step rather than two."""
+    optimizer ops join the next step's chunk, one flush per step rather than two.
+    Except when a chunk ran because the queue was full (a step of more ops than
+    ``defer_max_ops``): then the step ends with a flush too, so the next one starts
+    its queue where this one did and is cut at the same ops -- otherwise the cuts
+    drift through the step, step after step, and each new phase compiles anew."""
     if torch.compiler.is_compiling() or tracing._active is not None:
         return  # a traced step: its ops are in the program, not in a queue
     state = _threads
-    if state.runs == state.runs_at_step_end:
+    if state.runs == state.runs_at_step_end or state.full_runs != state.full_runs_at_step_end:
         flush("optimizer step")
     state.runs_at_step_end = state.runs
+    state.full_runs_at_step_end = state.full_runs
 
 
 register_optimizer_step_post_hook(_end_of_step)
@@ -415,6 +422,8 @@ def _run(q: _Queue, reason: str, needed=()) -> dict:
     ((op, output) pairs), which are outputs of the chunk too."""
     metrics.count("flushes", reason)
     _threads.runs += 1
+    if reason == "queue full":
+        _threads.full_runs += 1
     perf_warnings.note_read()
     # The user's line costs a stack walk: taken where a warning, explain() or a
     # compile can use it.
