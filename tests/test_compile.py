@@ -568,9 +568,10 @@ def test_jit_in_every_mode(mode):
 
 
 def test_jit_state_is_what_outlives_the_step(mode):
-    """The program's state is what outlives the first (eager) call: the parameters,
-    the optimizer's state and that call's gradients -- not the activations and other
-    temporaries it also touched (kept alive by the watch, they were state too)."""
+    """The program's state is what outlives the first (eager) call and the step reads:
+    the parameters and the optimizer's state -- not the activations and other
+    temporaries it also touched (kept alive by the watch, they were state too), nor
+    the first call's gradients, which the step's zero_grad drops."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 2))
     model = model.to("tpu")
@@ -579,18 +580,41 @@ def test_jit_state_is_what_outlives_the_step(mode):
     x = torch.randn(8, 4).to("tpu")
     step(x).item()
     params = list(model.parameters())
-    # (The first call's gradients stay state although the traced step sets new ones
-    # after zero_grad: a gradient-sized input the program does not read.)
-    expected = {id(p._storage) for p in params} | {id(p.grad._storage) for p in params}
     for _ in range(2):
         step(x).item()
+    expected = {id(p._storage) for p in params}
     for p in params:
         expected |= {id(v._storage) for v in opt.state[p].values()}  # moments, step
     assert {id(s) for s in step._state} == expected
-    assert len(step._state) == 5 * len(params)
+    assert len(step._state) == 4 * len(params)
     per_parameter = sum(p.numel() * p.element_size() for p in params)
     state_bytes = sum(math.prod(s.shape) * s.dtype.itemsize for s in step._state)
-    assert state_bytes == 4 * per_parameter + 4 * len(params)
+    assert state_bytes == 3 * per_parameter + 4 * len(params)
+
+
+def test_jit_step_that_accumulates_gradients_keeps_them_as_state():
+    """Without zero_grad the step reads the gradients: tracing finds them and takes
+    them as state, and the sums match the CPU's."""
+
+    def run(device, jit):
+        torch.manual_seed(0)
+        model = nn.Linear(4, 2).to(device)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        x = torch.randn(3, 4, generator=torch.Generator().manual_seed(1)).to(device)
+
+        def step(x):
+            loss = model(x).square().mean()
+            loss.backward()  # accumulates: no zero_grad
+            opt.step()
+            return loss
+
+        step = torchtpu.jit(step) if jit else step
+        losses = [step(x).item() for _ in range(4)]
+        return losses, model.weight.grad.cpu()
+
+    (losses, grad), (expected, expected_grad) = run("tpu", True), run("cpu", False)
+    torch.testing.assert_close(losses, expected)
+    torch.testing.assert_close(grad, expected_grad)
 
 
 def test_jit_replays_without_running_python_ops():

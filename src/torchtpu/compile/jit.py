@@ -8,11 +8,12 @@ Python.
 
 The program's inputs and outputs are *storages*, not Python objects:
 
-- **State**: the storages the step touches that outlive it (parameters, gradients,
-  optimizer state). The first call runs eagerly and watches which storages its ops
-  touch (`_Watch`); those still alive afterwards, other than the results', are the
-  state. It also creates the optimizer state, so its structure is stable from then on.
-  A traced call that touches a storage outside the state adds it and traces again.
+- **State**: the storages the step touches that outlive it (parameters, optimizer
+  state, gradients it accumulates into). The first call runs eagerly and watches which
+  storages its ops touch (`_Watch`); those still alive afterwards, other than the
+  results' and the optimizers' gradients, are the state. It also creates the
+  optimizer state, so its structure is stable from then on. A traced call that
+  touches a storage outside the state adds it and traces again.
 - **Arguments**: tensors, and Python numbers, which the step receives as 0-d tpu
   tensors (as ``jax.jit`` traces numbers), so a new value never recompiles.
   ``static_argnums`` keeps an argument a Python value (part of the program's key).
@@ -259,6 +260,17 @@ class StepFunction:
             id(t._storage)
             for t in pytree.tree_leaves((call_args, call_kwargs, result))
             if isinstance(t, TPUTensor)
+        }
+        # The optimizers' gradients are not state either: a step that sets them anew
+        # (zero_grad) never reads these, which would stay alive as inputs the program
+        # ignores (a gradient-sized copy of the model); one that accumulates into them
+        # touches them when traced, which adds them (_Rediscover).
+        own |= {
+            id(p.grad._storage)
+            for opt in optimizers.found.values()
+            for group in opt.param_groups
+            for p in group["params"]
+            if isinstance(p.grad, TPUTensor)
         }
         self._state = [s for key, s in list(watch.storages.items()) if key not in own]
         self._donated = tuple(
