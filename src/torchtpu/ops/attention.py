@@ -2,22 +2,24 @@
 
 torch's ``scaled_dot_product_attention`` picks a fused kernel on CUDA and the CPU; for
 any other device it runs its math decomposition, which on bfloat16 inputs casts q, k
-and v to float32, builds a float32 mask and saves the float32 [B, H, L, S]
-probabilities for the backward: four times the memory of the bfloat16 scores, held for
-every layer until the backward runs. On tpu, ``scaled_dot_product_attention`` (an
+and v to float32, builds a float32 mask and saves float32 copies of q, k and v and the
+float32 [B, H, L, S] probabilities for the backward, held for every layer until the
+backward runs. On tpu, ``scaled_dot_product_attention`` (an
 AutogradPrivateUse1 kernel, device.py ``_scaled_dot_product_attention``) calls
 ``torchtpu_nn::attention`` instead:
 
 - the products run in the input's dtype with float32 accumulation and the softmax in
   float32, as CUDA's flash kernels do; the output is in the input's dtype;
-- its backward (``attention_backward``) recomputes the scores from q, k and v (JAX's
-  derivative of the same function), so autograd saves q, k, v and the mask only;
+- its backward (``attention_backward``) recomputes the weights from q, k and v, so
+  autograd saves q, k, v and the mask only;
 - causal masks (torch's: top-left aligned), boolean and additive masks broadcast to
   [..., L, S], ``scale`` and ``enable_gqa`` as torch's; a row every position of which
   is masked out gives zeros, as torch's math path does since 2.5.
 
 Dropout (``dropout_p > 0``) and a mask that requires a gradient take torch's math path.
-Note [Precision of attention]: float32 inputs follow torch's matmul precision.
+float32 inputs follow torch's float32 matmul precision (matmul_precision.py). The
+scores are still materialised inside the op's program; a Pallas flash kernel on a TPU
+would not.
 """
 
 from __future__ import annotations
