@@ -1466,6 +1466,16 @@ _MASKED_ROW = _BOOL_MASK.clone()
 _MASKED_ROW[1] = False  # a query that sees nothing: zeros, as torch's math path gives
 
 MORE_ATTENTION = [
+    # a query broadcast over the key's batch: torch's math path (the op reduces nothing)
+    _case("sdpa_broadcast_query", F.scaled_dot_product_attention, _Q[0], _K, _VV),
+    # float64 accumulates in float64 (on a TPU it runs on the host)
+    _case(
+        "sdpa_float64_causal",
+        lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True),
+        _Q.double(),
+        _K.double(),
+        _VV.double(),
+    ),
     _case(
         "sdpa_gqa_causal",
         lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True),

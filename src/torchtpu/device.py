@@ -463,14 +463,44 @@ def _check_attention_arguments(described, dropout_p, is_causal, scale, enable_gq
     )
 
 
+def _fits_attention_op(query, key, value, attn_mask, dropout_p, enable_gqa) -> bool:
+    """Whether ops/attention.py takes the call: no dropout, a mask that needs no
+    gradient and broadcasts to the scores, and q, k, v of one batch shape (heads
+    grouped under ``enable_gqa``), none broadcast: its backward reduces nothing."""
+    if (
+        dropout_p > 0
+        or not query.ndim == key.ndim == value.ndim
+        or key.shape[:-1] != value.shape[:-1]
+    ):
+        return False
+    if query.shape[:-2] != key.shape[:-2]:
+        grouped = (
+            enable_gqa
+            and query.ndim >= 3
+            and query.shape[:-3] == key.shape[:-3]
+            and query.shape[-3] % key.shape[-3] == 0
+        )
+        if not grouped:
+            return False
+    if attn_mask is not None:
+        scores = (*query.shape[:-1], key.shape[-2])
+        try:
+            fits = torch.broadcast_shapes(attn_mask.shape, scores) == scores
+        except RuntimeError:
+            return False
+        if attn_mask.requires_grad or not fits:
+            return False
+    return True
+
+
 def _scaled_dot_product_attention(
     query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False
 ):
     """One op in the inputs' dtype instead of torch's float32 math path
     (ops/attention.py). torch's own checks of the arguments run first, on meta tensors,
     so a bad call raises the CPU's error (under torch.compile the arguments are fake
-    tensors, checked when Dynamo traced the call). Dropout, and a mask that requires a
-    gradient, take torch's math path."""
+    tensors, checked when Dynamo traced the call). What the op does not take
+    (`_fits_attention_op`) takes torch's math path."""
     from torchtpu.ops.attention import attention_op
     from torchtpu.tensor import TPUTensor
 
@@ -479,7 +509,7 @@ def _scaled_dot_product_attention(
             None if t is None else (tuple(t.shape), t.dtype) for t in (query, key, value, attn_mask)
         )
         _check_attention_arguments(described, dropout_p, is_causal, scale, enable_gqa)
-    if dropout_p > 0 or (attn_mask is not None and attn_mask.requires_grad):
+    if not _fits_attention_op(query, key, value, attn_mask, dropout_p, enable_gqa):
         return torch.ops.aten._scaled_dot_product_attention_math(
             query,
             key,

@@ -123,10 +123,10 @@ EXPECTATIONS: dict[tuple[str, str, str, str, str], Expectation] = {
     ),
     ("nn.functional.scaled_dot_product_attention", "op", "float32", "*", "*"): tolerance(
         1.3e-6,
-        2e-5,
-        "float32 rounding of softmax-weighted sums: on outputs up to 9 ours is 1.1e-5 and "
-        "the CPU's 7.5e-6 off the float64 result; on gradients up to 1.2 the CPU's "
-        "backward is 1.2e-5 off and ours 8.7e-7",
+        3e-5,
+        "float32 rounding of softmax-weighted sums (ops/attention.py): over the OpInfo "
+        "samples, on outputs up to 9 ours is 2.0e-5 and the CPU's 1.7e-5 off the float64 "
+        "result; on gradients up to 48 both are 6.9e-5 off",
     ),
     (
         "torch.ops.aten._scaled_dot_product_flash_attention_for_cpu",

@@ -79,12 +79,11 @@ def _grouped(query, key, value, enable_gqa):
 
 
 def _weights(query, key, attn_mask, is_causal, scale, precision):
-    """The float32 attention weights [..., L, S]: products of the inputs' dtype
-    accumulated in float32, the softmax in float32; a row with nothing to attend to
-    is zeros."""
-    scores = jnp.einsum(
-        "...ld,...sd->...ls", query, key, precision=precision, preferred_element_type=jnp.float32
-    ) * jnp.float32(scale)
+    """The attention weights [..., L, S] in the working dtype (float32, or float64 for
+    float64 inputs): products of the inputs' dtype accumulated in it, the softmax in
+    it; a row with nothing to attend to is zeros."""
+    work = _working(query.dtype)
+    scores = _product(query, key, "...ld,...sd->...ls", precision, query.dtype) * work.type(scale)
     keep = None
     if is_causal:  # torch's causal mask: top-left aligned
         keep = jnp.tril(jnp.ones(scores.shape[-2:], jnp.bool_))
@@ -92,7 +91,7 @@ def _weights(query, key, attn_mask, is_causal, scale, precision):
         if attn_mask.dtype == jnp.bool_:
             keep = attn_mask if keep is None else keep & attn_mask
         else:
-            scores = scores + attn_mask.astype(jnp.float32)
+            scores = scores + attn_mask.astype(work)
     if keep is not None:
         scores = jnp.where(keep, scores, -jnp.inf)
     top = jnp.max(scores, axis=-1, keepdims=True)
@@ -101,14 +100,19 @@ def _weights(query, key, attn_mask, is_causal, scale, precision):
     return weights / jnp.where(total == 0, 1.0, total)
 
 
+def _working(dtype):
+    """What attention of ``dtype`` inputs accumulates in: float32 (float64 for float64)."""
+    return jnp.dtype(jnp.promote_types(dtype, jnp.float32))
+
+
 def _product(a, b, spec, precision, dtype):
-    """``einsum(spec, a, b)`` of ``dtype`` operands, accumulated in float32."""
+    """``einsum(spec, a, b)`` of ``dtype`` operands, accumulated in the working dtype."""
     return jnp.einsum(
         spec,
         a.astype(dtype),
         b.astype(dtype),
         precision=precision,
-        preferred_element_type=jnp.float32,
+        preferred_element_type=_working(dtype),
     )
 
 
@@ -127,15 +131,17 @@ def _attention_backward(
 ):
     """The gradients from the recomputed weights P (FlashAttention's backward):
     dV = Pᵀ dO, dP = dO Vᵀ, dS = P (dP - rowsum(dO O)), dQ = dS K s, dK = dSᵀ Q s, with
-    dP and dS kept in float32 (a 16-bit dP loses the difference dS is made of)."""
+    dP and dS kept in the working dtype (a 16-bit dP loses the difference dS is made
+    of)."""
     dtype = query.dtype
     grouped_key, grouped_value, repeats = _grouped(query, key, value, enable_gqa)
     weights = _weights(query, grouped_key, attn_mask, is_causal, scale, precision)
     out = _product(weights, grouped_value, "...ls,...sd->...ld", precision, dtype)
     grad_value = _product(weights, grad_out, "...ls,...ld->...sd", precision, dtype)
     grad_weights = _product(grad_out, grouped_value, "...ld,...sd->...ls", precision, dtype)
-    row = jnp.sum(grad_out.astype(jnp.float32) * out.astype(dtype).astype(jnp.float32), -1)
-    grad_scores = weights * (grad_weights - row[..., None]) * jnp.float32(scale)
+    work = _working(dtype)
+    row = jnp.sum(grad_out.astype(work) * out.astype(dtype).astype(work), -1)
+    grad_scores = weights * (grad_weights - row[..., None]) * work.type(scale)
     grad_query = _product(grad_scores, grouped_key, "...ls,...sd->...ld", precision, dtype)
     grad_key = _product(grad_scores, query, "...ls,...ld->...sd", precision, dtype)
     if repeats > 1:  # each key head served `repeats` query heads: their gradients add up
