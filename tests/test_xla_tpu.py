@@ -63,6 +63,8 @@ def programs():
     yield "float32 dropout", lambda: torch.nn.functional.dropout(x, 0.1, True)
     yield "float32 bernoulli_", lambda: x.clone().bernoulli_(0.3)
     yield "float32 full", lambda: torch.full((3,), 0.3, device="tpu")
+    yield "float32 full_like", lambda: torch.full_like(x, 0.3)
+    yield "float32 new_full", lambda: x.new_full((3,), 0.3)
     yield "float32 arange", lambda: torch.arange(0, 1, 0.1, device="tpu")
     yield "float32 linspace", lambda: torch.linspace(0, 1, 5, device="tpu")
     yield "float32 angle", lambda: x.angle()
@@ -106,6 +108,8 @@ def test_under_the_tpu_policy_nothing_reaches_xla_tpu_that_it_aborts_on_or_refus
         "float32 dropout",
         "float32 bernoulli_",
         "float32 full",
+        "float32 full_like",
+        "float32 new_full",
         "float32 arange",
         "float32 linspace",
         "float32 angle",

@@ -41,10 +41,7 @@ def _fill_dtype(fill_value):
         return jnp.bool_
     if jnp.issubdtype(kind, jnp.integer):
         return jnp.int64
-    default = torch.get_default_dtype()  # part of every plan's key (dispatch/plans.py)
-    if jnp.issubdtype(kind, jnp.complexfloating):
-        default = torch.complex128 if default == torch.float64 else torch.complex64
-    return dtypes.to_jax(default)
+    return dtypes.to_jax(_result_dtype(None, fill_value))
 
 
 @lowers(aten.full.default)
@@ -72,7 +69,7 @@ def ones_like(self, dtype=None, layout=None, device=None, pin_memory=None, memor
 def full_like(
     self, fill_value, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None
 ):
-    return jnp.full(self.shape, fill_value)
+    return jnp.full(self.shape, fill_value, _dtype(dtype, self.dtype))  # no float64 fill
 
 
 @lowers(aten.new_zeros.default)
@@ -87,7 +84,7 @@ def new_ones(self, size, dtype=None, layout=None, device=None, pin_memory=None):
 
 @lowers(aten.new_full.default)
 def new_full(self, size, fill_value, dtype=None, layout=None, device=None, pin_memory=None):
-    return jnp.full(tuple(size), fill_value)
+    return jnp.full(tuple(size), fill_value, _dtype(dtype, self.dtype))  # no float64 fill
 
 
 def _result_dtype(dtype, *values):
