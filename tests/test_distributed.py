@@ -11,10 +11,12 @@ from __future__ import annotations
 import json
 import math
 import os
+import random
 import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import pytest
@@ -656,23 +658,56 @@ def test_registration_starts_no_jax():
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
+def _ephemeral_ports() -> range:
+    """The ports the kernel hands to outgoing connections (Linux's default elsewhere)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = map(int, f.read().split())
+    except OSError:
+        low, high = 32768, 60999
+    return range(low, high + 1)
+
+
+_HANDED_OUT: set[int] = set()
+_PORTS_LOCK = threading.Lock()
+
+
+def _free_ports(count: int = 1) -> int:
+    """The first of ``count`` consecutive ports that are free now and that no launch of
+    this process was given before.
+
+    Chosen at random below the ephemeral range: a launch binds its ports seconds after
+    they are chosen (its processes start first), and a port of the ephemeral range can be
+    taken meanwhile as the source port of any connection (the other launches' ranks
+    connecting to their stores), which made launches running side by side fail with
+    EADDRINUSE or meet another launch's ranks."""
+    ephemeral = _ephemeral_ports()
+    below, above = range(10000, ephemeral.start - count), range(ephemeral.stop, 65536 - count)
+    rng = random.Random()
+    with _PORTS_LOCK:
+        for _ in range(200):
+            port = rng.choice(below if len(below) > 1000 else above)
+            ports = range(port, port + count)
+            if any(p in _HANDED_OUT or p in ephemeral for p in ports):
+                continue
+            try:
+                for p in ports:
+                    with socket.socket() as s:
+                        s.bind(("127.0.0.1", p))
+            except OSError:
+                continue
+            _HANDED_OUT.update(ports)
+            return port
+    raise RuntimeError(f"no {count} free ports in a row")
+
+
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return _free_ports(1)
 
 
 def _free_port_pair() -> int:
     """A port that is free, and the next one too."""
-    for _ in range(50):
-        port = _free_port()
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port + 1))
-            except OSError:
-                continue
-        return port
-    raise RuntimeError("no two free ports in a row")
+    return _free_ports(2)
 
 
 def launch(tmp_path, script: str, nproc: int = 2, timeout: float = 120, env_extra=None):
