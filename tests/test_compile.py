@@ -617,6 +617,47 @@ def test_jit_step_that_accumulates_gradients_keeps_them_as_state():
     torch.testing.assert_close(grad, expected_grad)
 
 
+def test_jit_gradients_dropped_between_calls_come_back():
+    """``zero_grad()`` outside the step sets every ``.grad`` to None; each call's
+    backward() makes them again, traced and replayed calls too."""
+
+    def run(device, jit):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2)).to(device)
+        x = torch.randn(5, 4, generator=torch.Generator().manual_seed(1)).to(device)
+
+        def step(x, scale):
+            loss = model(x * scale).square().mean()
+            loss.backward()
+            return loss
+
+        step = torchtpu.jit(step) if jit else step
+        grads = []
+        for i in range(4):
+            model.zero_grad(set_to_none=True)
+            step(x, 1.0 + i)
+            grads.append([p.grad.cpu() for p in model.parameters()])
+        return grads
+
+    for actual, expected in zip(run("tpu", True), run("cpu", False)):
+        torch.testing.assert_close(actual, expected)
+
+
+def test_jit_step_may_make_tensors_from_host_values():
+    model = nn.Linear(4, 2).to("tpu")
+
+    @torchtpu.jit
+    def step(x):
+        return model(x) * torch.tensor([2.0, -1.0], device="tpu") + torch.ones(2, device="tpu")
+
+    x = torch.randn(3, 4)
+    expected = model.cpu()(x) * torch.tensor([2.0, -1.0]) + 1
+    model.to("tpu")
+    for _ in range(3):
+        torch.testing.assert_close(step(x.to("tpu")).detach().cpu(), expected.detach())
+    assert torchtpu.metrics()["compiles"]["step"] == 1
+
+
 def test_jit_replays_without_running_python_ops():
     model = nn.Linear(4, 2).to("tpu")
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -134,6 +134,34 @@ def dynamo_makes_optimizers_capturable_on(device_type: str) -> None:
     optimizer.OptimizerVariable._set_capturable = _set_capturable
 
 
+def replace_flex_attention_device_check(check):
+    """Make ``check(query, key, value)`` the device check of ``flex_attention``, which
+    refuses any device outside a fixed set (torch 2.11-2.15: the module function
+    ``torch.nn.attention.flex_attention._validate_device``, looked up at each call).
+    Returns torch's check."""
+    module = importlib.import_module("torch.nn.attention.flex_attention")
+    original = getattr(module._validate_device, "torchs", module._validate_device)
+    check.torchs = original
+    module._validate_device = check
+    return original
+
+
+def higher_order_ops_pass_the_aliasing_check(*ops) -> None:
+    """The first call of a compiled function runs under AOTAutograd's
+    ``_AnalyzeCustomOpInputOutputMode`` (torch 2.13-2.15, ``check_custom_op_aliasing``),
+    which answers NotImplemented for tensor subclasses and lets the dispatcher ask the
+    subclass next -- but a higher-order op returns a mode's NotImplemented as its result
+    (``HigherOrderOperator.dispatch``). The mode checks no higher-order op, so ``ops``
+    run without it, on to their subclass kernels."""
+    runtime_wrappers = importlib.import_module("torch._functorch._aot_autograd.runtime_wrappers")
+    mode = getattr(runtime_wrappers, "_AnalyzeCustomOpInputOutputMode", None)
+    if mode is None:  # torch 2.11-2.12
+        return
+    for op in ops:
+        if mode not in op.python_key_table:
+            op.py_impl(mode)(lambda _mode, *args, _op=op, **kwargs: _op(*args, **kwargs))
+
+
 # -- JAX -------------------------------------------------------------------------------
 # JAX's internals torchtpu reads, each behind one function here (checked: JAX 0.10.x;
 # pyproject.toml pins that range). Nothing here imports JAX at module level: ``import

@@ -575,6 +575,7 @@ def load_runtime():
         _compat.check_torch()
         before = set(sys.modules)
         try:
+            import torchtpu.compile.flex_attention  # noqa: F401
             import torchtpu.compile.handles  # noqa: F401
             import torchtpu.interop.arrays  # noqa: F401  (TPUTensor's DLPack protocol)
             from torchtpu.dispatch.core import dispatch

@@ -23,6 +23,7 @@ from torch._tensor_str import (
     _tensor_str_with_formatter,
     get_summarized_data,
 )
+from torch.utils._pytree import tree_leaves, tree_map_only
 
 from torchtpu import dtypes
 from torchtpu.storage import Storage, ViewChain
@@ -104,6 +105,8 @@ class TPUTensor(torch.Tensor):
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         if _tracing_seen and _any_traced(args, kwargs):
             return hooks.dispatch_traced(func, args, kwargs or {})
+        if len(types) > 1 and not all(issubclass(t, TPUTensor) for t in types):
+            return _with_foreign_tensors(func, types, args, kwargs or {})
         return hooks.dispatch(func, args, kwargs or {})
 
     # Note [Subclasses of tpu tensors]
@@ -414,6 +417,30 @@ def _any_traced(args, kwargs) -> bool:
             if any(type(x) is TPUTensor and x._inner is not None for x in a):
                 return True
     return bool(kwargs) and _any_traced(tuple(kwargs.values()), None)
+
+
+# Note [Tpu tensors among fake tensors]
+#     Tracing code that makes a tensor with a factory while its inputs are fake — as
+#     FlexAttention's backward does when it traces score_mod's gradient with fake
+#     tpu tensors, where the gradient of an index starts from ``torch.zeros(device=)``
+#     — mixes a real tpu tensor into an op on fake ones. A fake tensor of a real one
+#     needs only its metadata, so the tpu tensor joins as a fake of the same shape,
+#     strides and dtype in the fake tensors' mode, and the op runs there. Other
+#     subclasses get the usual answer: NotImplemented, their turn.
+def _with_foreign_tensors(func, types, args, kwargs):
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    fakes = [a for a in tree_leaves((args, kwargs)) if isinstance(a, FakeTensor)]
+    if not fakes:
+        return NotImplemented
+    mode = fakes[0].fake_mode
+
+    def as_fake(t: TPUTensor):
+        meta = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+        return FakeTensor(mode, meta, t.device)
+
+    args, kwargs = tree_map_only(TPUTensor, as_fake, (args, kwargs))
+    return func(*args, **kwargs)
 
 
 def empty_tensor(shape, strides, dtype: torch.dtype, device: int) -> TPUTensor:

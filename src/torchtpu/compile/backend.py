@@ -33,7 +33,7 @@ from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.backends.registry import register_backend
 
 from torchtpu import _compat, config, dtypes, tracing
-from torchtpu.compile import handles
+from torchtpu.compile import flex_attention, handles
 from torchtpu.compile.program import Program, flatten_values, unflatten_values
 from torchtpu.compile.segments import Segmented, reads_values
 from torchtpu.dispatch import backward_errors, defer, modes
@@ -193,6 +193,9 @@ _trace_rules.add("torchtpu")
 # inlined as before when traced code calls it.
 _trace_rules.add("logging")
 _compat.dynamo_inline_when_called(_trace_rules, logging)
+# Nor flex_attention's device check, which must be traced, as torch's is, for a model
+# calling flex_attention to compile as one graph.
+_compat.dynamo_inline_when_called(_trace_rules, flex_attention)
 
 # A @torchtpu.jax_op function is one node of Dynamo's graph (Dynamo must not trace
 # JAX's pytree code); AOTAutograd traces it into its custom ops. Those made before
@@ -214,6 +217,10 @@ if config.compile_capture_scalars:
 
 # A compiled optimizer step counts its steps on the device, as on CUDA (_compat.py).
 _compat.dynamo_makes_optimizers_capturable_on("tpu")
+
+# FlexAttention's higher-order ops reach their tpu kernels on a compiled function's
+# first call too (_compat.py).
+_compat.higher_order_ops_pass_the_aliasing_check(*flex_attention.OPS)
 
 # Found through the entry point, Dynamo registers it itself once this module loads
 # (and would refuse a second registration); imported directly, it registers here.

@@ -50,6 +50,7 @@ from torchtpu.dispatch.values import materialize
 from torchtpu.observe import perf_warnings
 from torchtpu.observe.locations import user_frame
 from torchtpu.runtime import jax
+from torchtpu.storage import Storage
 from torchtpu.tensor import TPUTensor
 
 
@@ -306,13 +307,27 @@ class StepFunction:
         for s, tracer in zip(state, arrays):
             s.array = tracer
         missing = {}  # id -> (storage, its array before this trace touched it)
+        # The storages made by this trace: a tensor made from a host value inside the
+        # step (``torch.tensor(2.0, device="tpu")``) holds a constant, not a tracer.
+        made, created, counted = set(), tracing.active().created, [0]
+
+        state_leaves = {}  # id -> weak reference: the state's autograd leaves (parameters)
 
         def watch_state(args, kwargs):
             # Every storage an op touches must be state or made by this trace.
             for leaf in pytree.tree_leaves((args, kwargs)):
                 if type(leaf) is TPUTensor and leaf._inner is None:
                     s = leaf._storage
-                    if id(s) not in inputs and not isinstance(s.array, jax().core.Tracer):
+                    if id(s) in inputs:
+                        if leaf.requires_grad and leaf.is_leaf and id(leaf) not in state_leaves:
+                            state_leaves[id(leaf)] = weakref.ref(leaf)
+                        continue
+                    if isinstance(s.array, jax().core.Tracer):
+                        continue
+                    if counted[0] < len(created):
+                        made.update(id(ref()) for ref in created[counted[0] :])
+                        counted[0] = len(created)
+                    if id(s) not in made:
                         missing.setdefault(id(s), (s, s.array))
 
         dispatch.watchers.append(watch_state)
@@ -355,7 +370,13 @@ class StepFunction:
             ]
             outputs.extend(s.array for s in created)
             outputs.extend(result_arrays)
-            variant.layout = (written, [weakref.ref(s) for s in created], treedef, result_specs)
+            variant.layout = (
+                written,
+                [weakref.ref(s) for s in created],
+                _new_grads(state_leaves, created),
+                treedef,
+                result_specs,
+            )
             return outputs, None
         finally:
             dispatch.watchers.remove(watch_state)
@@ -364,20 +385,48 @@ class StepFunction:
 
     @staticmethod
     def _write_back(layout, state, outputs):
-        written, created, treedef, result_specs = layout
+        written, created, new_grads, treedef, result_specs = layout
         outputs = iter(outputs)
         for i in written:
             state[i].set(next(outputs))
+        created_arrays = []
         for ref in created:
             array = next(outputs)
+            created_arrays.append(array)
             s = ref()
             if s is not None:
                 s.set(array)
+        for ref, i, storage, (chain, *view) in new_grads:
+            param = ref()
+            if param is not None and param.grad is None:
+                # Its gradient was dropped since (``zero_grad()`` outside the step): the
+                # step's gradient is a new tensor, as an eager backward() makes.
+                grad = Storage(created_arrays[i], *storage)
+                param.grad = TPUTensor(grad, chain, *view)
         leaves = [
             tensor_of(next(outputs), payload) if kind == "tensor" else payload
             for kind, payload in result_specs
         ]
         return pytree.tree_unflatten(leaves, treedef)
+
+
+def _new_grads(leaves: dict, created: list) -> list:
+    """For each autograd leaf of the state whose ``.grad`` this trace made: (a weak
+    reference to it, the index of the gradient's storage in ``created``, that storage's
+    (shape, strides, dtype, device), the gradient's (view chain, size, stride, offset, dtype)), so that a
+    replay gives the leaf its new gradient even if its old one was dropped meanwhile."""
+    index = {id(s): i for i, s in enumerate(created)}
+    found = []
+    for ref in leaves.values():
+        param = ref()
+        grad = None if param is None else param.grad
+        if type(grad) is TPUTensor and id(grad._storage) in index:
+            s = grad._storage
+            found.append((
+                ref, index[id(s)], (s.shape, s.strides, s.dtype, s.device_index),
+                (grad._chain, tuple(grad.shape), grad.stride(), grad.storage_offset(), grad.dtype),
+            ))  # fmt: skip
+    return found
 
 
 def _refuse_written_arguments(call_args, call_kwargs) -> None:

@@ -1,0 +1,100 @@
+"""FlexAttention on tpu tensors: torch's higher-order ops, run as any other tpu code.
+
+``torch.nn.attention.flex_attention.flex_attention(q, k, v, score_mod=, block_mask=)``
+always goes through Dynamo, even in eager mode (with its "eager" backend): Dynamo
+captures ``score_mod`` and the block mask's ``mask_mod`` as FX graphs and calls the
+higher-order op ``flex_attention`` (and, in backward, ``flex_attention_backward``) with
+them. torch gives those ops a kernel per dispatch key and per mode, and a tensor
+subclass its own entry (``py_impl(TPUTensor)``), registered here:
+
+- on traced wrappers (Dynamo and AOTAutograd tracing a model on tpu, handles.py) the
+  op runs on their inner tensors, so the graph holds the higher-order op itself with
+  its score_mod and mask_mod graphs, as on CUDA;
+- on tpu tensors it runs torch's own dense implementation (``sdpa_dense`` and
+  ``sdpa_dense_backward``): score_mod and mask_mod applied to the whole [B, H, L, S]
+  score matrix through ``vmap``, in float32 (float64 for float64 inputs), then a
+  softmax that gives fully masked rows zeros. Those are ordinary tpu ops: in Strict
+  each runs as its program, in DeferAndFuse they join the chunk, and inside a
+  compiled graph or `torchtpu.jit` step they are traced into its one XLA program.
+
+Autograd is torch's (``FlexAttentionAutogradOp``): score_mod's gradient graph is traced
+on fake tpu tensors (Note [Tpu tensors among fake tensors] in tensor.py), and gradients
+reach q, k, v and the tensors score_mod captures (a learned bias).
+
+The block mask's sparsity is not used yet: the scores are materialised, as torch's
+eager path on the CPU does.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+from torch.utils._pytree import tree_leaves, tree_map_only
+
+from torchtpu import _compat, tracing
+from torchtpu.compile import handles
+from torchtpu.tensor import TPUTensor
+
+# The module, not the op: ``torch._higher_order_ops.flex_attention`` is also the name of
+# the op that package exports.
+_hop = importlib.import_module("torch._higher_order_ops.flex_attention")
+
+
+def _traced(args, kwargs) -> bool:
+    return any(type(t) is TPUTensor and t._inner is not None for t in tree_leaves((args, kwargs)))
+
+
+def _on_tpu(op, dense):
+    """``op``'s kernel for TPUTensor arguments; ``dense`` is torch's implementation."""
+
+    def kernel(*args, **kwargs):
+        if _traced(args, kwargs):
+            inner_args, inner_kwargs = tree_map_only(TPUTensor, lambda t: t._inner, (args, kwargs))
+            out = op(*inner_args, **inner_kwargs)
+            return tree_map_only(torch.Tensor, handles.wrap_traced, out)
+        return dense(*args, **kwargs)
+
+    op.py_impl(TPUTensor)(kernel)
+
+
+def _dense_backward(*args):
+    """torch's dense backward, with a gradient for every floating tensor score_mod
+    captured when it runs inside a compiled program.
+
+    torch's dense backward leaves out the gradient of a captured tensor that does not
+    require one; its fake kernel, which shaped the compiled graph, does not. The
+    tensors a compiled program traces never require gradients, so there each is
+    marked to."""
+    if tracing.active() is None:
+        return _hop.sdpa_dense_backward(*args)
+    *head, buffers, mask_buffers = args
+    buffers = tuple(
+        b.detach().requires_grad_() if isinstance(b, torch.Tensor) and b.is_floating_point() else b
+        for b in buffers
+    )
+    with torch.no_grad():
+        return _hop.sdpa_dense_backward(*head, buffers, mask_buffers)
+
+
+OPS = (_hop.flex_attention, _hop.flex_attention_backward)
+_on_tpu(_hop.flex_attention, _hop.sdpa_dense)
+_on_tpu(_hop.flex_attention_backward, _dense_backward)
+
+
+def _check_device(query, key, value):
+    """flex_attention's device check, which passes tpu tensors. Dynamo inlines it
+    (compile/backend.py), so a compiled model calling flex_attention has no break.
+
+    Called eagerly, flex_attention compiles itself with Dynamo, which after a second
+    shape makes sizes symbolic; on tpu tensors (views of another shape, as attention's
+    heads are) that failed making its guards (IndexError in symbolic_shapes). A new
+    shape runs a new program on tpu anyway, so q, k and v are static to it."""
+    if query.device.type != "tpu":
+        _torchs_device_check(query, key, value)
+    elif not torch.compiler.is_compiling():
+        for t in (query, key, value):
+            torch._dynamo.mark_static(t)
+
+
+_torchs_device_check = _compat.replace_flex_attention_device_check(_check_device)

@@ -1,0 +1,269 @@
+"""FlexAttention on tpu (compile/flex_attention.py): score_mods and block masks in every
+eager mode, under torch.compile and in torchtpu.jit.
+
+The expected values come from a float64 reference on the CPU that applies the same
+score_mod and mask_mod to the whole score matrix by broadcasting (torch's FlexAttention
+has no backward on the CPU in eager mode); where torch's CPU forward can run, the
+results are also checked against it (fully masked rows, the log-sum-exp).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+import torchtpu
+from conftest import assert_same, tpu
+
+B, H, L, E = 2, 4, 64, 16
+BLOCK = 16  # blocks of 16 of 64 positions: the masks below leave blocks out
+
+
+def reference(q, k, v, score_mod=None, mask_mod=None, scale=None, enable_gqa=False):
+    """Attention over the dense score matrix: (output, log-sum-exp) in q's dtype."""
+    if enable_gqa:
+        k = k.repeat_interleave(q.size(1) // k.size(1), 1)
+        v = v.repeat_interleave(q.size(1) // v.size(1), 1)
+    scale = q.size(-1) ** -0.5 if scale is None else scale
+    scores = q @ k.transpose(-2, -1) * scale
+    b, h, m, n = (
+        torch.arange(size).view([-1 if d == i else 1 for d in range(4)])
+        for i, size in enumerate(scores.shape)
+    )
+    if score_mod is not None:
+        scores = score_mod(scores, b, h, m, n)
+    if mask_mod is not None:
+        scores = scores.masked_fill(~mask_mod(b, h, m, n).expand(scores.shape), float("-inf"))
+    lse = scores.logsumexp(-1)
+    weights = torch.where(lse[..., None] == float("-inf"), 0.0, (scores - lse[..., None]).exp())
+    return weights @ v, lse
+
+
+def causal(b, h, q, kv):
+    return q >= kv
+
+
+def sliding_window(b, h, q, kv):
+    return (q >= kv) & (q - kv <= 20)
+
+
+def prefix_lm(b, h, q, kv):
+    return (kv < 24) | (q >= kv)
+
+
+def softcap(score, b, h, q, kv):
+    return 5.0 * torch.tanh(score / 5.0)
+
+
+# Each case, for a device and dtype: (score_mod, mask_mod, the tensors score_mod
+# captures whose gradients are checked).
+def _case(name, device, dtype):
+    torch.manual_seed(1)
+    if name == "causal":
+        return None, causal, []
+    if name == "sliding_window":
+        return None, sliding_window, []
+    if name == "document":
+        document = torch.tensor([0] * 20 + [1] * 30 + [2] * 14, device=device)
+        return None, lambda b, h, q, kv: document[q] == document[kv], []
+    if name == "alibi":
+        slopes = (2.0 ** -torch.arange(1, H + 1, dtype=torch.float64)).to(device, dtype).requires_grad_()
+        return (lambda s, b, h, q, kv: s + slopes[h] * (kv - q)), causal, [slopes]
+    if name == "softcap":
+        return softcap, causal, []
+    if name == "relative_bias":
+        bias = torch.randn(2 * L - 1, dtype=torch.float64).to(device, dtype).requires_grad_()
+        return (lambda s, b, h, q, kv: s + bias[q - kv + L - 1]), None, [bias]
+    if name == "prefix_lm":
+        return None, prefix_lm, []
+    if name == "learned_bias":
+        bias = torch.randn(H, L, L, dtype=torch.float64).to(device, dtype).requires_grad_()
+        return (lambda s, b, h, q, kv: s + bias[h, q, kv]), sliding_window, [bias]
+    raise AssertionError(name)
+
+
+CASES = [
+    "causal", "sliding_window", "document", "alibi", "softcap", "relative_bias",
+    "prefix_lm", "learned_bias",
+]  # fmt: skip
+
+
+def _inputs(kv_heads=H):
+    torch.manual_seed(0)
+    return (
+        torch.randn(B, H, L, E, dtype=torch.float64),
+        torch.randn(B, kv_heads, L, E, dtype=torch.float64),
+        torch.randn(B, kv_heads, L, E, dtype=torch.float64),
+    )
+
+
+def _block_mask(mask_mod, device):
+    if mask_mod is None:
+        return None
+    return create_block_mask(mask_mod, None, None, L, L, device=device, BLOCK_SIZE=BLOCK)
+
+
+def _expected(name, inputs, **options):
+    """Output, log-sum-exp and the gradients of q, k, v and the captured tensors of
+    ``sum(out * weights) + sum(lse)`` in float64 on the CPU, rounded to float32."""
+    score_mod, mask_mod, captured = _case(name, "cpu", torch.float64)
+    q, k, v = (t.clone().requires_grad_() for t in inputs)
+    out, lse = reference(q, k, v, score_mod, mask_mod, **options)
+    _loss(out, lse).backward()
+    values = [out, lse, q.grad, k.grad, v.grad, *(c.grad for c in captured)]
+    return [t.detach().float() for t in values]
+
+
+def _loss(out, lse):
+    weights = torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view(out.shape)
+    finite = torch.where(lse == float("-inf"), 0.0, lse)
+    return (out * weights.to(out.device)).sum() + finite.sum()
+
+
+def _on_tpu(name, inputs, attend=flex_attention, **options):
+    score_mod, mask_mod, captured = _case(name, "tpu", torch.float32)
+    q, k, v = (tpu(t.float()).requires_grad_() for t in inputs)
+    if attend is _jitted_flex:
+        options["captured"] = captured
+    out, lse = attend(
+        q, k, v, score_mod=score_mod, block_mask=_block_mask(mask_mod, "tpu"), return_lse=True,
+        **options,
+    )  # fmt: skip
+    if attend is not _jitted_flex:  # whose step takes the gradients itself
+        _loss(out, lse).backward()
+    return [out, lse, q.grad, k.grad, v.grad, *(c.grad for c in captured)]
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_score_mods_and_masks_match_the_cpu(name, mode):
+    inputs = _inputs()
+    assert_same(_on_tpu(name, inputs), _expected(name, inputs), atol=2e-5, rtol=2e-5)
+
+
+def _compiled_flex(*args, **kwargs):
+    # Dynamo keeps its graphs per code object, flex_attention's here: a new score_mod
+    # is a recompile, and Dynamo stops at 8 (on every device); each test starts afresh.
+    torch._dynamo.reset()
+    return torch.compile(flex_attention, backend="tpu", fullgraph=True)(*args, **kwargs)
+
+
+def _jitted_flex(q, k, v, score_mod=None, block_mask=None, captured=(), **options):
+    """flex_attention inside a torchtpu.jit step that also takes the gradients,
+    called three times (eager, traced, replayed): the last call's results."""
+
+    @torchtpu.jit
+    def step():  # q, k and v are state, as parameters are (arguments are data)
+        out, lse = flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask, **options)
+        _loss(out, lse).backward()
+        return out, lse
+
+    for _ in range(3):
+        for t in (q, k, v, *captured):
+            t.grad = None
+        out, lse = step()
+    assert torchtpu.metrics()["compiles"]["step"] == 1
+    return out, lse
+
+
+@pytest.mark.parametrize("name", CASES)
+@pytest.mark.parametrize("path", ["compiled", "jit"])
+def test_score_mods_and_masks_compiled_match_the_cpu(name, path):
+    inputs = _inputs()
+    attend = _compiled_flex if path == "compiled" else _jitted_flex
+    assert_same(_on_tpu(name, inputs, attend), _expected(name, inputs), atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("path", ["eager", "compiled", "jit"])
+def test_grouped_query_attention_and_options(path):
+    inputs = _inputs(kv_heads=2)
+    options = dict(enable_gqa=True, scale=0.3)
+    expected = _expected("alibi", inputs, **options)
+    attend = {"eager": flex_attention, "compiled": _compiled_flex, "jit": _jitted_flex}[path]
+    actual = _on_tpu("alibi", inputs, attend, kernel_options={"PRESCALE_QK": False}, **options)
+    assert_same(actual, expected, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("path", ["eager", "compiled"])
+def test_fully_masked_rows_are_zeros_as_on_the_cpu(mode, path):
+    def late(b, h, q, kv):
+        return (q >= 8) & (kv <= q)
+
+    q, k, v = (t.float() for t in _inputs())
+    expected = flex_attention(q, k, v, block_mask=_block_mask(late, "cpu"), return_lse=True)
+    attend = flex_attention if path == "eager" else _compiled_flex
+    actual = attend(tpu(q), tpu(k), tpu(v), block_mask=_block_mask(late, "tpu"), return_lse=True)
+    assert_same(actual, expected, atol=1e-5, rtol=1e-5)
+    assert actual[0][:, :, :8].cpu().eq(0).all()
+    assert actual[1][:, :, :8].cpu().eq(float("-inf")).all()
+
+
+def test_a_block_mask_made_on_tpu_is_the_cpus():
+    for mask_mod in (causal, sliding_window, prefix_lm):
+        on_cpu, on_tpu = _block_mask(mask_mod, "cpu"), _block_mask(mask_mod, "tpu")
+        for actual, expected in zip(on_tpu.as_tuple()[2:-1], on_cpu.as_tuple()[2:-1]):
+            if isinstance(expected, torch.Tensor):
+                assert_same(actual, expected)
+            else:
+                assert actual == expected
+
+
+class Block(torch.nn.Module):
+    """Self-attention with a learned ALiBi slope per head and a sliding window."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = torch.nn.Linear(E, 3 * H * E)
+        self.slopes = torch.nn.Parameter(torch.linspace(0.1, 0.5, H))
+
+    def forward(self, x, attend, block_mask=None):
+        q, k, v = self.qkv(x).view(B, L, 3, H, E).permute(2, 0, 3, 1, 4)
+        slopes = self.slopes
+
+        def alibi(score, b, h, q_idx, kv_idx):
+            return score + slopes[h] * (kv_idx - q_idx)
+
+        if attend is reference:
+            return reference(q, k, v, alibi, sliding_window)[0].sum()
+        return attend(q, k, v, score_mod=alibi, block_mask=block_mask).sum()
+
+
+def _model_and_expected():
+    torch.manual_seed(2)
+    model, x = Block(), torch.randn(B, L, E)
+    reference_model = Block().double()
+    reference_model.load_state_dict(model.state_dict())
+    loss = reference_model(x.double(), reference)
+    loss.backward()
+    grads = [p.grad.float() for p in reference_model.parameters()]
+    return model.to("tpu"), tpu(x), loss.float(), grads
+
+
+def test_a_compiled_model_is_one_graph_and_matches_the_cpu():
+    model, x, loss, grads = _model_and_expected()
+    block_mask = _block_mask(sliding_window, "tpu")
+    compiled = torch.compile(model, backend="tpu", fullgraph=True)
+    for _ in range(2):
+        model.zero_grad()
+        actual = compiled(x, flex_attention, block_mask)
+        actual.backward()
+        assert_same(actual, loss, atol=1e-4, rtol=1e-5)
+        assert_same([p.grad for p in model.parameters()], grads, atol=1e-4, rtol=1e-4)
+    assert torchtpu.metrics()["compiles"]["graph"] == 2  # forward and backward, once
+
+
+def test_a_jitted_step_matches_the_cpu():
+    model, x, loss, grads = _model_and_expected()
+    block_mask = _block_mask(sliding_window, "tpu")
+
+    @torchtpu.jit
+    def step(x):
+        loss = model(x, flex_attention, block_mask)
+        loss.backward()
+        return loss
+
+    for _ in range(3):  # eager, traced, replayed
+        model.zero_grad(set_to_none=True)
+        assert_same(step(x), loss, atol=1e-4, rtol=1e-5)
+        assert_same([p.grad for p in model.parameters()], grads, atol=1e-4, rtol=1e-4)
+    assert torchtpu.metrics()["compiles"]["step"] == 1
