@@ -172,7 +172,7 @@ def _small_step(model, opt):
     return step
 
 
-def _small_training(device, optimizer, compiled, eager_steps=0, steps=3):
+def _small_training(device, optimizer, compiled, eager_steps=0, steps=3, backend="tpu"):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)).to(device)
     opt = OPTIMIZERS[optimizer](model.parameters())
@@ -181,9 +181,21 @@ def _small_training(device, optimizer, compiled, eager_steps=0, steps=3):
     y = y.to(device)
     step = _small_step(model, opt)
     losses = [step(x, y).item() for _ in range(eager_steps)]
-    step = torch.compile(step, backend="tpu") if compiled else step
+    if compiled:
+        step = torch.compile(step) if backend is None else torch.compile(step, backend=backend)
     losses += [step(x, y).item() for _ in range(steps)]
     return losses, model, opt
+
+
+def test_the_default_backend_compiles_tpu_graphs_as_tpu():
+    """``torch.compile(f)`` is Inductor, whose code generation for a "tpu" device needs
+    Google's torch_tpu package (ModuleNotFoundError); tpu graphs go to backend="tpu"."""
+    losses, model, _ = _small_training("tpu", "adamw", compiled=True, backend=None)
+    expected, cpu_model, _ = _small_training("cpu", "adamw", compiled=False)
+    assert losses == pytest.approx(expected, rel=1e-5, abs=1e-6)
+    for p, q in zip(model.parameters(), cpu_model.parameters()):
+        torch.testing.assert_close(p.detach().cpu(), q.detach(), rtol=1e-5, atol=1e-5)
+    assert torchtpu.metrics()["compiles"]["graph"] >= 2  # forward and backward
 
 
 @pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))

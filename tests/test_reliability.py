@@ -18,8 +18,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 import torchtpu
-from conftest import assert_same
-from torchtpu.dispatch import special
+from conftest import assert_same, tpu
 
 # Subprocesses import this tree's torchtpu, whatever is installed.
 _SRC = os.path.dirname(os.path.dirname(torchtpu.__file__))
@@ -645,32 +644,48 @@ def test_compiled_function_of_a_changing_float():
 # -- 8. nn.TransformerEncoder's nested-tensor fast path ---------------------------------------
 
 
-def test_transformer_encoder_fast_path_with_a_padding_mask():
+@pytest.mark.parametrize("batch_first", [True, False])
+@pytest.mark.parametrize("norm", [None, "layer_norm"])
+def test_transformer_encoder_fast_path_with_a_padding_mask(mode, batch_first, norm):
+    """In eval with a padding mask the CPU packs the batch into a nested tensor and
+    returns the final norm of zeros at padded positions; tpu runs the padded path and
+    gives the same values everywhere (Note [No nested tensors on tpu])."""
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=batch_first)
+    final = torch.nn.LayerNorm(8) if norm else None
+    if final is not None:
+        torch.nn.init.normal_(final.bias)
+    encoder = torch.nn.TransformerEncoder(layer, 2, norm=final).eval()
+    right = torch.tensor([[False] * 5, [False] * 3 + [True] * 2, [False] * 1 + [True] * 4])
+    left = right.flip(1)  # not left-aligned: the CPU takes its padded path too
+    x = torch.randn(3, 5, 8) if batch_first else torch.randn(5, 3, 8)
+    for pad in (right, left):
+        with torch.no_grad():
+            expected = encoder(x, src_key_padding_mask=pad)
+            actual = encoder.to("tpu")(x.to("tpu"), src_key_padding_mask=pad.to("tpu"))
+            encoder.cpu()
+        assert_same(actual, expected, atol=1e-5, rtol=1e-5)
+    assert expected.ne(0).any()  # the last one (left padding) kept the computed values
+    if not batch_first:
+        return  # torch's nested path is for batch_first encoders only
+    forced = torch.nn.TransformerEncoder(layer, 2, mask_check=False).eval().to("tpu")
+    with torch.no_grad(), pytest.raises(NotImplementedError, match="nested tensors are not"):
+        forced(x.to("tpu"), src_key_padding_mask=right.to("tpu"))
+
+
+def test_transformer_encoder_with_grad_or_a_mask_keeps_the_padded_values():
     torch.manual_seed(0)
     layer = torch.nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
     encoder = torch.nn.TransformerEncoder(layer, 2).eval()
-    x = torch.randn(3, 5, 8)
-    pad = torch.tensor([[False] * 5, [False] * 3 + [True] * 2, [False] * 1 + [True] * 4])
-    special._warned_padded_path = False
-    with torch.no_grad():
-        expected = encoder(x, src_key_padding_mask=pad)  # nested on the CPU: pads are 0
-        encoder.to("tpu")
-        with pytest.warns(UserWarning, match="padded positions") as caught:
-            actual = encoder(x.to("tpu"), src_key_padding_mask=pad.to("tpu")).cpu()
-    assert caught[0].filename == __file__  # the user's line
-    assert actual.shape == expected.shape
-    keep = ~pad
-    torch.testing.assert_close(actual[keep], expected[keep], atol=1e-5, rtol=1e-5)
-    assert torch.isfinite(actual).all() and expected[pad].eq(0).all()
-    # Without the nested path, as the warning advises, every position matches the CPU.
-    padded = torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False).eval()
-    with torch.no_grad():
-        expected = padded(x, src_key_padding_mask=pad)
-        actual = padded.to("tpu")(x.to("tpu"), src_key_padding_mask=pad.to("tpu"))
+    pad = torch.tensor([[False] * 5, [False] * 3 + [True] * 2])
+    causal = torch.nn.Transformer.generate_square_subsequent_mask(5)
+    x = torch.randn(2, 5, 8)
+    expected = [encoder(x, src_key_padding_mask=pad).detach(), encoder(x, causal, pad).detach()]
+    encoder.to("tpu")
+    x, pad, causal = tpu((x, pad, causal))
+    actual = [encoder(x, src_key_padding_mask=pad), encoder(x, causal, pad)]
     assert_same(actual, expected, atol=1e-5, rtol=1e-5)
-    forced = torch.nn.TransformerEncoder(layer, 2, mask_check=False).eval().to("tpu")
-    with torch.no_grad(), pytest.raises(NotImplementedError, match="nested tensors are not"):
-        forced(x.to("tpu"), src_key_padding_mask=pad.to("tpu"))
+    assert expected[0][1, 3:].ne(0).all()
 
 
 @pytest.mark.parametrize("norm_first", [False, True])

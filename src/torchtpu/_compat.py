@@ -8,6 +8,7 @@ docs/compatibility.md what each passed.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 
@@ -144,6 +145,45 @@ def replace_flex_attention_device_check(check):
     check.torchs = original
     module._validate_device = check
     return original
+
+
+def wrap_transformer_encoder_forward(forward):
+    """Make ``forward`` ``nn.TransformerEncoder.forward`` (torch 2.11-2.15: ``forward(self,
+    src, mask=None, src_key_padding_mask=None, is_causal=None)``, its nested-tensor fast
+    path decided inside); returns torch's."""
+    encoder = torch.nn.TransformerEncoder
+    original = getattr(encoder.forward, "torchs", encoder.forward)
+    forward.torchs = original
+    functools.update_wrapper(forward, original, assigned=("__doc__", "__name__", "__qualname__"))
+    encoder.forward = forward
+    return original
+
+
+def inductor_hands_graphs_on(device_type: str, backend) -> None:
+    """torch.compile's default backend, Inductor (torch 2.11-2.15:
+    ``torch._TorchCompileInductorWrapper.__call__(model, inputs, *, config_patches=None)``),
+    has code generation registered for a "tpu" device that imports Google's
+    ``torch_tpu`` package. Hand a graph whose inputs are on ``device_type`` to
+    ``backend()`` instead (a function returning the backend, so that it is imported
+    when first needed); graphs on other devices go to Inductor as before."""
+    wrapper = torch._TorchCompileInductorWrapper
+    original = getattr(wrapper.__call__, "torchs", wrapper.__call__)
+
+    def __call__(self, model_, inputs_, **kwargs):
+        if any(isinstance(x, torch.Tensor) and x.device.type == device_type for x in inputs_):
+            return backend()(model_, inputs_)
+        return original(self, model_, inputs_, **kwargs)
+
+    __call__.torchs = original
+    wrapper.__call__ = __call__
+
+
+def register_higher_order_kernel(op, key, kernel) -> None:
+    """``op.py_impl(key)(kernel)``, replacing an earlier kernel for ``key``: a start
+    that failed imports its modules again when retried, and torch 2.11-2.15 refuse a
+    second registration (``HigherOrderOperator.python_key_table``)."""
+    op.python_key_table.pop(key, None)
+    op.py_impl(key)(kernel)
 
 
 def higher_order_ops_pass_the_aliasing_check(*ops) -> None:

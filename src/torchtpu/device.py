@@ -18,7 +18,17 @@ import types
 
 import torch
 
-from torchtpu import autocast, distributed, dtypes, memory, pinned, rng, runtime, serialization
+from torchtpu import (
+    _compat,
+    autocast,
+    distributed,
+    dtypes,
+    memory,
+    pinned,
+    rng,
+    runtime,
+    serialization,
+)
 from torchtpu.dispatch import modes
 from torchtpu.dispatch.modes import EagerMode, set_eager_mode
 from torchtpu.matmul_precision import Precision, precision
@@ -570,8 +580,6 @@ def load_runtime():
     ``hooks``). Every tpu tensor is first made by a kernel here, which calls this."""
     global _dispatch
     if _dispatch is None:
-        from torchtpu import _compat
-
         _compat.check_torch()
         before = set(sys.modules)
         try:
@@ -630,6 +638,14 @@ def register() -> None:
     memory.route_accelerator_functions()
     autocast.register()
     distributed.register()
+    # torch.compile(model) with its default backend compiles tpu graphs as backend="tpu".
+    _compat.inductor_hands_graphs_on("tpu", _tpu_backend)
+
+
+def _tpu_backend():
+    from torchtpu.compile.backend import tpu_backend
+
+    return tpu_backend
 
 
 def _use_foreach_kernels() -> None:

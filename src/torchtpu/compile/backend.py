@@ -36,7 +36,7 @@ from torchtpu import _compat, config, dtypes, tracing
 from torchtpu.compile import flex_attention, handles
 from torchtpu.compile.program import Program, flatten_values, unflatten_values
 from torchtpu.compile.segments import Segmented, reads_values
-from torchtpu.dispatch import backward_errors, defer, modes
+from torchtpu.dispatch import backward_errors, defer, modes, nested
 from torchtpu.interop import functions as jax_functions
 from torchtpu.runtime import jax
 
@@ -196,6 +196,8 @@ _compat.dynamo_inline_when_called(_trace_rules, logging)
 # Nor flex_attention's device check, which must be traced, as torch's is, for a model
 # calling flex_attention to compile as one graph.
 _compat.dynamo_inline_when_called(_trace_rules, flex_attention)
+# And nn.TransformerEncoder's forward, which dispatch/nested.py wraps.
+_compat.dynamo_inline_when_called(_trace_rules, nested)
 
 # A @torchtpu.jax_op function is one node of Dynamo's graph (Dynamo must not trace
 # JAX's pytree code); AOTAutograd traces it into its custom ops. Those made before

@@ -55,7 +55,7 @@ def _on_tpu(op, dense):
             return tree_map_only(torch.Tensor, handles.wrap_traced, out)
         return dense(*args, **kwargs)
 
-    op.py_impl(TPUTensor)(kernel)
+    _compat.register_higher_order_kernel(op, TPUTensor, kernel)
 
 
 def _dense_backward(*args):

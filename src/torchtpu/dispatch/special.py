@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import functools
 import math
-import warnings
 
 import torch
 from torch._prims_common import make_contiguous_strides_for, suggest_memory_format
@@ -15,7 +14,7 @@ from torch.utils._pytree import tree_map
 
 from torchtpu import storage as storage_module
 from torchtpu import tensor as tensor_module
-from torchtpu.dispatch import checks, defer, plans, schema
+from torchtpu.dispatch import checks, defer, nested, plans, schema
 from torchtpu.dispatch.meta import on_meta
 from torchtpu.dispatch.values import (
     OutMeta,
@@ -26,7 +25,7 @@ from torchtpu.dispatch.values import (
     to_host,
     wrap,
 )
-from torchtpu.observe.locations import name_op, user_stacklevel
+from torchtpu.observe.locations import name_op
 from torchtpu.ops import TABLE
 from torchtpu.runtime import current_index
 from torchtpu.runtime.transfer import to_device
@@ -340,46 +339,6 @@ def _native_batch_norm(func, args, kwargs):
     )
 
 
-# Note [No nested tensors on tpu]
-#     nn.TransformerEncoder's fast path (eval, no grad, a padding mask) packs the batch
-#     into a nested tensor, whose ragged shape XLA cannot compile, and first asks
-#     whether the mask is left-aligned (its mask_check). On tpu the answer is "no", so
-#     the encoder takes its padded path, at static shapes: the same results as the CPU
-#     at every unmasked position. At masked positions the CPU's nested path returns
-#     zeros and the padded path (the CPU's too, with grad or in training) whatever the
-#     layers computed there. Asked to pack anyway (mask_check=False), tpu refuses.
-#     Telling the encoder's last layer from the others, to zero the padded positions
-#     after it as the nested path does, would take a hook on every module call; so the
-#     difference is said once, with the two ways to the same values on every device.
-
-
-_warned_padded_path = False
-
-
-def _not_left_aligned(func, args, kwargs) -> bool:
-    global _warned_padded_path
-    if not _warned_padded_path:
-        _warned_padded_path = True
-        warnings.warn(
-            "torchtpu: nn.TransformerEncoder's nested-tensor fast path (eval, no grad, a "
-            "src_key_padding_mask) is not available on tpu, so the encoder runs its padded "
-            "path: at padded positions its output holds the values the layers computed "
-            "there, where the CPU and CUDA return zeros (or the final norm of zeros). "
-            "Unpadded positions are the same. Ignore padded positions (mask them before "
-            "pooling), or build the encoder with enable_nested_tensor=False, which takes "
-            "the padded path on every device.",
-            UserWarning,
-            stacklevel=user_stacklevel(),
-        )
-    return False
-
-
-def _no_nested_tensors(func, args, kwargs):
-    from torchtpu.ops.unsupported import refuse
-
-    refuse("nested tensors", op=str(func))
-
-
 SPECIAL = {
     aten.native_batch_norm.default: _native_batch_norm,
     aten._pack_padded_sequence.default: _torch_kernel_for_every_device,
@@ -404,8 +363,9 @@ SPECIAL = {
     aten.set_.source_Storage: _set_source_storage,
     aten.set_.source_Storage_storage_offset: _set_source_storage,
     aten.as_strided_scatter.default: _as_strided_scatter,
-    aten._nested_tensor_from_mask_left_aligned.default: _not_left_aligned,
-    aten._nested_tensor_from_mask.default: _no_nested_tensors,
+    # Note [No nested tensors on tpu] (nested.py)
+    aten._nested_tensor_from_mask_left_aligned.default: nested.not_left_aligned,
+    aten._nested_tensor_from_mask.default: nested.refuse_nested_tensors,
 }
 
 

@@ -1,0 +1,272 @@
+"""A GPT training step in every torchtpu path, side by side with the same step in JAX.
+
+    python benchmarks/gpt.py                       # GPT-2 small: 12 layers, d 768, 8x1024
+    python benchmarks/gpt.py --tokens 8x512 --layers 4
+    python benchmarks/gpt.py --tiny                # a 2-layer model: a smoke run on the CPU
+    python benchmarks/gpt.py --only jit,jax        # some of the paths
+
+The model (nanoGPT's shape, issue #40): token and position embeddings, pre-norm blocks
+of causal ``scaled_dot_product_attention`` and a GELU MLP, an untied head; parameters
+in bfloat16 (``--dtype float32`` for float32), AdamW, every step reading its loss.
+Paths: Strict and DeferAndFuse eager, ``torch.compile(step, backend="tpu")`` of the
+whole step (forward, backward, ``opt.step()``), ``torchtpu.jit(step)``, and the same
+model and AdamW written in JAX under one ``jax.jit`` with donated state (the floor).
+
+Per path: the first step (tracing and compiling; two calls for torchtpu.jit, whose
+first call runs eagerly; in one process, so a later path reuses the eager ops'
+programs an earlier one compiled), then the median seconds per step, tokens per second, the
+share of the chip's peak (MFU, from nanoGPT's 6N + 12·layers·d·seq FLOPs per token;
+``--peak-tflops``, 197 for a TPU v5e's bfloat16) and the ratio to JAX's step. A path
+that fails (out of memory) prints its error in its row and the others go on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import statistics
+import sys
+import time
+import traceback
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import torch  # noqa: E402
+import torch.nn as nn  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import torchtpu  # noqa: E402
+from benchmarks import quiet  # noqa: E402
+from benchmarks.eager_modes import runtime_line  # noqa: E402
+
+# First steps compile from scratch: no programs from JAX's persistent cache. (Programs
+# an earlier path of this run compiled stay in the process: later paths' first steps
+# reuse the eager ops' programs. benchmarks/eager_modes.py times cold first steps.)
+torchtpu.config.compile_cache_dir = None
+
+PATHS = ("jax", "strict", "defer", "compile", "jit")  # jax first: the ratios divide by it
+
+
+class Block(nn.Module):
+    def __init__(self, d: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.fc, self.out = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(d, dim=-1)
+        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
+        return x + self.out(F.gelu(self.fc(self.ln2(x)), approximate="tanh"))
+
+
+class GPT(nn.Module):
+    def __init__(self, layers: int, d: int, heads: int, vocab: int, seq: int):
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(vocab, d), nn.Embedding(seq, d)
+        self.blocks = nn.ModuleList(Block(d, heads) for _ in range(layers))
+        self.ln_f, self.head = nn.LayerNorm(d), nn.Linear(d, vocab, bias=False)
+
+    def forward(self, tokens):
+        x = self.wte(tokens) + self.wpe.weight[: tokens.shape[1]]
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+
+def _model(args) -> GPT:
+    torch.manual_seed(0)
+    return GPT(args.layers, args.d, args.heads, args.vocab, args.seq).to(args.torch_dtype)
+
+
+def _tokens(args) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(1)
+    return torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=generator)
+
+
+def torch_step(args, how: str):
+    """A step function returning the loss as a float, on tpu."""
+    model = _model(args).to("tpu")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    tokens = _tokens(args).to("tpu")
+    vocab = args.vocab
+
+    def step():
+        opt.zero_grad()
+        logits = model(tokens[:, :-1])
+        loss = F.cross_entropy(logits.reshape(-1, vocab).float(), tokens[:, 1:].reshape(-1))
+        loss.backward()
+        opt.step()
+        return loss
+
+    if how == "compile":
+        step = torch.compile(step, backend="tpu")
+    elif how == "jit":
+        step = torchtpu.jit(step)
+    return lambda: step().item()
+
+
+def jax_step(args):
+    """The same model and AdamW (torch's defaults: betas 0.9, 0.999, eps 1e-8, weight
+    decay 0.01) in JAX, one ``jax.jit`` with the state donated."""
+    dtype = jnp.bfloat16 if args.torch_dtype == torch.bfloat16 else jnp.float32
+    params = {
+        k: jnp.asarray(v.float().numpy(), dtype) for k, v in _model(args).state_dict().items()
+    }
+    tokens = jnp.asarray(_tokens(args).numpy())
+    d, h = args.d, args.heads
+
+    def layer_norm(x, p, name):
+        x32 = x.astype(jnp.float32)
+        mean = x32.mean(-1, keepdims=True)
+        var = ((x32 - mean) ** 2).mean(-1, keepdims=True)
+        y = (x32 - mean) * jax.lax.rsqrt(var + 1e-5)
+        return (y * p[f"{name}.weight"] + p[f"{name}.bias"]).astype(x.dtype)
+
+    def linear(x, p, name):
+        y = x @ p[f"{name}.weight"].T
+        return y + p[f"{name}.bias"] if f"{name}.bias" in p else y
+
+    def loss_fn(p):
+        inputs, labels = tokens[:, :-1], tokens[:, 1:]
+        b, t = inputs.shape
+        x = p["wte.weight"][inputs] + p["wpe.weight"][:t]
+        for i in range(args.layers):
+            n = f"blocks.{i}"
+            q, k, v = jnp.split(linear(layer_norm(x, p, f"{n}.ln1"), p, f"{n}.qkv"), 3, axis=-1)
+            q, k, v = (z.reshape(b, t, h, d // h) for z in (q, k, v))
+            a = jax.nn.dot_product_attention(q, k, v, is_causal=True).reshape(b, t, d)
+            x = x + linear(a, p, f"{n}.proj")
+            m = jax.nn.gelu(linear(layer_norm(x, p, f"{n}.ln2"), p, f"{n}.fc"), approximate=True)
+            x = x + linear(m, p, f"{n}.out")
+        logits = linear(layer_norm(x, p, "ln_f"), p, "head").astype(jnp.float32)
+        logp = jax.nn.log_softmax(logits.reshape(-1, args.vocab))
+        return -jnp.mean(jnp.take_along_axis(logp, labels.reshape(-1, 1), 1))
+
+    lr, b1, b2, eps, wd = 1e-4, 0.9, 0.999, 1e-8, 0.01
+
+    def update(state):
+        p, m, v, count = state
+        loss, g = jax.value_and_grad(loss_fn)(p)
+        count = count + 1
+        m = jax.tree.map(lambda m, g: b1 * m + (1 - b1) * g, m, g)
+        v = jax.tree.map(lambda v, g: b2 * v + (1 - b2) * g * g, v, g)
+        c1, c2 = 1 - b1**count, 1 - b2**count
+
+        def new(p, m, v):
+            p = p * (1 - lr * wd)
+            return (p - lr * (m / c1) / (jnp.sqrt(v / c2) + eps)).astype(p.dtype)
+
+        return loss, (jax.tree.map(new, p, m, v), m, v, count)
+
+    update = jax.jit(update, donate_argnums=0)
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    state = [(params, zeros, jax.tree.map(jnp.zeros_like, params), jnp.float32(0))]
+
+    def step():
+        loss, state[0] = update(state[0])
+        return float(loss)
+
+    return step
+
+
+def flops_per_step(args) -> float:
+    n = sum(p.numel() for name, p in _model(args).named_parameters() if name != "wpe.weight")
+    per_token = 6 * n + 12 * args.layers * args.d * args.seq
+    return per_token * args.batch * args.seq
+
+
+def measure(step, mode: str | None, steps: int, repeat: int, first_calls: int = 1):
+    """(seconds of the first ``first_calls`` steps, median seconds per step)."""
+    with torchtpu.set_eager_mode(mode) if mode else contextlib.nullcontext():
+        start = time.perf_counter()
+        for _ in range(first_calls):
+            step()
+        first = time.perf_counter() - start
+        step()  # DeferAndFuse's chunks settle (docs/eager-modes.md)
+        runs = []
+        for _ in range(repeat):
+            start = time.perf_counter()
+            for _ in range(steps):
+                step()
+            runs.append((time.perf_counter() - start) / steps)
+    return first, statistics.median(runs)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--d", type=int, default=768)
+    parser.add_argument("--heads", type=int, default=12)
+    parser.add_argument("--vocab", type=int, default=50304)
+    parser.add_argument("--tokens", default="8x1024", help="batch x sequence length")
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    parser.add_argument("--tiny", action="store_true", help="2 layers, d 64, 4x64 tokens")
+    parser.add_argument("--only", default=",".join(PATHS))
+    parser.add_argument("--steps", type=int, default=5, help="steps per timed run")
+    parser.add_argument("--repeat", type=int, default=3, help="timed runs (median)")
+    parser.add_argument("--peak-tflops", type=float, default=197.0)
+    args = parser.parse_args()
+    if args.tiny:
+        args.layers, args.d, args.heads, args.vocab, args.tokens = 2, 64, 4, 512, "4x64"
+    args.batch, args.seq = map(int, args.tokens.split("x"))
+    args.torch_dtype = getattr(torch, args.dtype)
+
+    print(runtime_line())
+    quiet.check_before_start()
+    window = quiet.Window()
+    flops = flops_per_step(args)
+    print(
+        f"\n`{quiet.command()}`: GPT {args.layers} layers, d {args.d}, {args.heads} heads, "
+        f"vocab {args.vocab}, {args.batch}x{args.seq} tokens, {args.dtype}, AdamW; "
+        f"{flops / 1e12:.2f} TFLOP a step\n"
+    )
+    print("| path | first step | per step | tokens/s | MFU | vs jax.jit |")
+    print("|---|---|---|---|---|---|")
+    rows, floor, failed = {}, None, []
+    for path in PATHS:
+        if path not in args.only.split(","):
+            continue
+        try:
+            torch._dynamo.reset()
+            if path == "jax":
+                rows[path] = measure(jax_step(args), None, args.steps, args.repeat)
+                floor = rows[path][1]
+            else:
+                how = path if path in ("compile", "jit") else "eager"
+                mode = path if path in ("strict", "defer") else "strict"
+                first_calls = 2 if path == "jit" else 1  # the first runs eagerly, then it traces
+                rows[path] = measure(
+                    torch_step(args, how), mode, args.steps, args.repeat, first_calls
+                )
+        except Exception as exc:  # an out-of-memory path must not hide the others
+            message = f"{type(exc).__name__}: {str(exc).splitlines()[0][:150]}"
+            print(f"| {path} | failed: {message} | | | | |", flush=True)
+            traceback.print_exc(file=sys.stderr)
+            failed.append(path)
+            continue
+        first, per_step = rows[path]
+        mfu = flops / per_step / (args.peak_tflops * 1e12)
+        ratio = "" if floor is None else f"{per_step / floor:.2f}x"
+        print(
+            f"| {path} | {first:.1f} s | {per_step * 1e3:.1f} ms "
+            f"| {args.batch * args.seq / per_step:,.0f} | {100 * mfu:.1f}% | {ratio} |",
+            flush=True,
+        )
+    if floor is not None:
+        print("\nratios to jax.jit: " + ", ".join(
+            f"{path} {rows[path][1] / floor:.2f}x" for path in rows if path != "jax"
+        ))  # fmt: skip
+    print(f"\n{window.verdict()}", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
