@@ -208,6 +208,81 @@ def test_float32_training_never_leaves_the_device(mode):
     assert not torchtpu.metrics().get("host_ops")
 
 
+def _float32_programs():
+    """float32 (and bfloat16) code of ordinary training and inference: every op here
+    must run on the chip, none on the host because its lowering computes in float64."""
+    g = torch.Generator().manual_seed(0)
+
+    def t(*shape, dtype=torch.float32):
+        return torch.randn(*shape, generator=g, dtype=dtype).to("tpu").requires_grad_()
+
+    x, w, img = t(6, 8), t(8, 8), t(2, 3, 8, 8)
+    labels = torch.tensor([0, 3, 1, 2, 7, 5], device="tpu")
+    probs = torch.rand(6, 8, generator=g).to("tpu")
+    q, k, v = t(2, 4, 16, 8), t(2, 4, 16, 8), t(2, 4, 16, 8)
+    bq = t(2, 4, 16, 8, dtype=torch.bfloat16)
+    conv, bn, gn = nn.Conv2d(3, 4, 3).to("tpu"), nn.BatchNorm2d(4).to("tpu"), nn.GroupNorm(2, 4)
+    gn = gn.to("tpu")
+    return {
+        "linear, activations": lambda: [f(x @ w) for f in (F.gelu, F.silu, F.softplus,
+                                                            F.logsigmoid, F.mish, F.elu)],
+        "gelu tanh, erf, erfinv": lambda: [F.gelu(x, approximate="tanh"), x.erf(),
+                                           (probs * 1.8 - 0.9).erfinv()],
+        "norms": lambda: [F.layer_norm(x, (8,)), F.rms_norm(x, (8,)), gn(conv(img)),
+                          bn(conv(img)), F.normalize(x)],
+        "softmax, logsumexp": lambda: [x.softmax(-1), x.log_softmax(-1), x.logsumexp(-1)],
+        "losses": lambda: [
+            F.cross_entropy(x, labels, label_smoothing=0.1), F.nll_loss(x.log_softmax(-1), labels),
+            F.mse_loss(x, w[:6]), F.smooth_l1_loss(x, w[:6]), F.huber_loss(x, w[:6]),
+            F.binary_cross_entropy_with_logits(x, probs), F.binary_cross_entropy(x.sigmoid(), probs),
+            F.kl_div(x.log_softmax(-1), probs.softmax(-1), reduction="batchmean"),
+        ],
+        "dropout, random": lambda: [F.dropout(x, 0.3), torch.rand(4, device="tpu"),
+                                    torch.randn(4, device="tpu"), torch.randint(0, 9, (4,), device="tpu"),
+                                    torch.multinomial(probs, 2), torch.bernoulli(probs)],
+        "attention": lambda: [F.scaled_dot_product_attention(q, k, v, is_causal=True),
+                              F.scaled_dot_product_attention(bq, bq, bq),
+                              F.scaled_dot_product_attention(q, k, v, dropout_p=0.2)],
+        "pooling, resizing": lambda: [F.max_pool2d(img, 2), F.avg_pool2d(img, 2),
+                                      F.adaptive_avg_pool2d(img, 3),
+                                      F.interpolate(img, scale_factor=2, mode="bilinear"),
+                                      F.interpolate(img, size=5, mode="nearest")],
+        "reductions, scans": lambda: [x.mean(), x.var(0), x.std(), x.norm(), x.cumsum(0),
+                                      x.topk(3).values, x.sort(-1).values, x.amax(1), x.prod(1)],
+        "factories": lambda: [torch.arange(0.0, 1.0, 0.1, device="tpu"),
+                              torch.linspace(0, 1, 7, device="tpu"), torch.full((3,), 0.3, device="tpu"),
+                              torch.logspace(0, 1, 5, device="tpu"), torch.eye(3, device="tpu")],
+        "indexing": lambda: [x.gather(1, labels[:, None]), x.index_select(0, labels[:3]),
+                             torch.zeros(6, 8, device="tpu").scatter_add(0, (labels % 6)[:, None].expand(6, 8), x),
+                             x.masked_fill(x > 0, 0.5), F.one_hot(labels, 8).float() * x,
+                             F.embedding(labels, w)],
+        "elementwise math": lambda: [x.pow(2.5), x.abs().rsqrt(), torch.atan2(x, w[:6]),
+                                     x.lerp(w[:6], 0.3), torch.addcmul(x, x, w[:6], value=0.5),
+                                     x.clamp(-0.5, 0.5), x.tanh(), x.exp(), x.log1p().nan_to_num()],
+        "products": lambda: [torch.einsum("bhqd,bhkd->bhqk", q, k), torch.bmm(x[None], w[None]),
+                             torch.baddbmm(x[None], x[None], w[None]), bq @ bq.transpose(-1, -2)],
+    }  # fmt: skip
+
+
+@under_policy
+@pytest.mark.parametrize("mode", ["strict", "defer"])
+def test_common_float32_ops_never_leave_the_device(mode):
+    """The class "a float32 op whose lowering builds float64 inside" (a Python float
+    made a float64 array, a float64 accumulation): on a TPU each ran on the host."""
+    left = {}
+    with torchtpu.set_eager_mode(mode):
+        for name, program in _float32_programs().items():
+            torchtpu.reset_metrics()
+            outputs = program()
+            loss = sum(o.float().sum() for o in outputs if o.dtype.is_floating_point)
+            if loss.requires_grad:
+                loss.backward()
+            loss.cpu()
+            if torchtpu.metrics().get("host_ops"):
+                left[name] = torchtpu.metrics()["host_ops"]
+    assert not left, left
+
+
 @under_policy
 def test_defer_runs_host_ops_at_once():
     cpu = torch.randn(6)
