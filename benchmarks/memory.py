@@ -1,0 +1,172 @@
+"""Peak memory of training steps: torch on the CPU against every tpu path (issue #33).
+
+    python benchmarks/memory.py                  # the issue's sizes
+    python benchmarks/memory.py --scale 0.25     # widths a quarter (a quick run)
+    python benchmarks/memory.py --only mlp       # the workloads whose name has it
+
+Each cell runs in a fresh process: build the model and data, then measure the peak
+over ``--steps`` steps from the first (as issue #33 measured: the first step creates
+the optimizer's state and, on tpu, compiles; torchtpu.jit traces on its second call).
+Two figures per cell:
+
+- peak RSS growth: the process's peak resident memory (VmHWM, reset before the first
+  step through /proc/self/clear_refs) minus its resident memory then, in units of P,
+  the parameters' bytes. On JAX's CPU backend device arrays live in the process, so
+  this is the figure to compare with torch's; it includes what XLA's compiler holds
+  while it compiles, which matters for small P (use the issue's sizes).
+- device peak: JAX's ``peak_bytes_in_use`` of the device where the backend reports it
+  (TPU, GPU), minus the bytes in use before the timed steps; "-" on the CPU backend.
+
+Workloads: an MLP of 6 linear layers (width 4096: 101M parameters, P = 384 MiB) with
+AdamW at batch 64; a GPT
+(benchmarks/gpt.py's, 4 layers, d 512, 8x256 tokens, float32) with AdamW; the MLP
+fine-tuned with gradient accumulation over 4 micro-batches. Paths: torch CPU, Strict,
+DeferAndFuse, ``torch.compile(step, backend="tpu")`` and ``torchtpu.jit(step)``. The
+ratio column divides by torch CPU's peak growth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PATHS = ("cpu", "strict", "defer", "compile", "jit")
+WORKLOADS = ("mlp adamw", "gpt adamw", "mlp accumulation")
+
+# Run in a child process: prints one JSON line.
+_CELL = r"""
+import json, os, sys
+sys.path.insert(0, {root!r})
+import torch, torch.nn as nn, torch.nn.functional as F
+import torchtpu
+
+workload, path, scale, steps = {workload!r}, {path!r}, {scale!r}, {steps!r}
+device = "cpu" if path == "cpu" else "tpu"
+if path in ("strict", "defer"):
+    torchtpu.set_eager_mode(path)
+torch.manual_seed(0)
+
+
+def rss(field):
+    for line in open("/proc/self/status"):
+        if line.startswith(field):
+            return int(line.split()[1]) * 1024
+
+
+def device_bytes(key):
+    if device == "cpu":
+        return None
+    from torchtpu.runtime import jax
+    stats = jax().local_devices()[0].memory_stats() or {{}}
+    return stats.get(key)
+
+
+width = max(64, int(4096 * scale))
+if workload.startswith("mlp"):
+    layers = [nn.Linear(width, width) for _ in range(6)]
+    model = nn.Sequential(*[m for layer in layers for m in (layer, nn.ReLU())][:-1]).to(device)
+    micro = 4 if workload == "mlp accumulation" else 1
+    x = torch.randn(micro, 64, width).to(device)
+    y = torch.randn(micro, 64, width).to(device)
+
+    def loss_of(i):
+        return F.mse_loss(model(x[i]), y[i]) / micro
+else:
+    from benchmarks.gpt import GPT
+    d = max(64, int(512 * scale))
+    model = GPT(4, d, 8, 8192, 256).to(device)
+    tokens = torch.randint(0, 8192, (1, 8, 257)).to(device)
+    micro = 1
+
+    def loss_of(i):
+        logits = model(tokens[i, :, :-1])
+        return F.cross_entropy(logits.reshape(-1, 8192), tokens[i, :, 1:].reshape(-1))
+
+opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+
+def step():
+    opt.zero_grad()
+    for i in range(micro):
+        loss = loss_of(i)
+        loss.backward()
+    opt.step()
+    return loss
+
+
+if path == "compile":
+    step = torch.compile(step, backend="tpu")
+elif path == "jit":
+    step = torchtpu.jit(step)
+params = sum(p.numel() * p.element_size() for p in model.parameters())
+import gc; gc.collect()
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")  # resets VmHWM to the current resident size
+before, device_before = rss("VmRSS:"), device_bytes("bytes_in_use")
+for _ in range(steps):
+    step().item()
+growth = rss("VmHWM:") - before
+device_peak = device_bytes("peak_bytes_in_use")
+print(json.dumps({{
+    "params": params, "growth": growth,
+    "device": None if device_peak is None else device_peak - device_before,
+}}))
+"""
+
+
+def cell(workload: str, path: str, scale: float, steps: int) -> dict:
+    code = _CELL.format(root=ROOT, workload=workload, path=path, scale=scale, steps=steps)
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))
+    )
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    if run.returncode:
+        last = (run.stderr.strip().splitlines() or ["?"])[-1]
+        return {"error": last[:120]}
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--scale", type=float, default=1.0, help="width factor")
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--only", default="")
+    args = parser.parse_args()
+    print(f"`{' '.join(['python', *sys.argv])}`: peak growth over {args.steps} steps, in P\n")
+    print("| workload | P | " + " | ".join(PATHS) + " | " + " | ".join(
+        f"{p}/cpu" for p in PATHS[1:]) + " | device peak (" + ", ".join(PATHS[1:]) + ") |")  # fmt: skip
+    print("|---" * (3 + 2 * (len(PATHS) - 1)) + "|---|")
+    for workload in WORKLOADS:
+        if args.only not in workload:
+            continue
+        cells = {path: cell(workload, path, args.scale, args.steps) for path in PATHS}
+        params = next((c["params"] for c in cells.values() if "params" in c), None)
+        if params is None:
+            print(f"| {workload} | failed: {cells['cpu'].get('error')} |", flush=True)
+            continue
+
+        def units(c, key="growth", params=params):
+            if "error" in c:
+                return f"failed: {c['error']}"
+            return "-" if c.get(key) is None else f"{c[key] / params:.2f} P"
+
+        base = cells["cpu"].get("growth")
+        ratios = [
+            f"{c['growth'] / base:.2f}" if "growth" in c and base else "-"
+            for c in (cells[p] for p in PATHS[1:])
+        ]
+        print(
+            f"| {workload} | {params / 2**20:.0f} MiB | "
+            + " | ".join(units(cells[p]) for p in PATHS)
+            + " | " + " | ".join(ratios) + " | "
+            + ", ".join(units(cells[p], "device") for p in PATHS[1:]) + " |",
+            flush=True,
+        )  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
