@@ -15,12 +15,11 @@ Two figures per cell:
   this is the figure to compare with torch's; it includes what XLA's compiler holds
   while it compiles, which matters for small P (use the issue's sizes).
 - device peak: JAX's ``peak_bytes_in_use`` of the device where the backend reports it
-  (TPU, GPU), minus the bytes in use before the timed steps; "-" on the CPU backend.
+  (TPU, GPU), minus the bytes in use before the first step; "-" on the CPU backend.
 
 Workloads: an MLP of 6 linear layers (width 4096: 101M parameters, P = 384 MiB) with
-AdamW at batch 64; a GPT
-(benchmarks/gpt.py's, 4 layers, d 512, 8x256 tokens, float32) with AdamW; the MLP
-fine-tuned with gradient accumulation over 4 micro-batches. Paths: torch CPU, Strict,
+AdamW at batch 64; a GPT (benchmarks/gpt.py's, 4 layers, d 512, 8x256 tokens,
+float32) with AdamW; the MLP fine-tuned with gradient accumulation over 4 micro-batches. Paths: torch CPU, Strict,
 DeferAndFuse, ``torch.compile(step, backend="tpu")`` and ``torchtpu.jit(step)``. The
 ratio column divides by torch CPU's peak growth.
 """
