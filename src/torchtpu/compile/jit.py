@@ -411,10 +411,11 @@ class StepFunction:
 
 
 def _new_grads(leaves: dict, created: list) -> list:
-    """For each autograd leaf of the state whose ``.grad`` this trace made: (a weak
+    """For each autograd leaf of the state whose ``.grad`` this trace made: a weak
     reference to it, the index of the gradient's storage in ``created``, that storage's
-    (shape, strides, dtype, device), the gradient's (view chain, size, stride, offset, dtype)), so that a
-    replay gives the leaf its new gradient even if its old one was dropped meanwhile."""
+    (shape, strides, dtype, device) and the gradient's (view chain, size, stride, offset,
+    dtype). A replay gives the leaf its new gradient from them, even if its old one was
+    dropped meanwhile."""
     index = {id(s): i for i, s in enumerate(created)}
     found = []
     for ref in leaves.values():
