@@ -77,6 +77,9 @@ def _case(name, device, dtype):
         return (lambda s, b, h, q, kv: s + bias[q - kv + L - 1]), None, [bias]
     if name == "prefix_lm":
         return None, prefix_lm, []
+    if name == "fixed_bias":  # captured, needing no gradient
+        bias = torch.randn(L, L, dtype=torch.float64).to(device, dtype)
+        return (lambda s, b, h, q, kv: s + bias[q, kv]), causal, []
     if name == "learned_bias":
         bias = torch.randn(H, L, L, dtype=torch.float64).to(device, dtype).requires_grad_()
         return (lambda s, b, h, q, kv: s + bias[h, q, kv]), sliding_window, [bias]
@@ -85,7 +88,7 @@ def _case(name, device, dtype):
 
 CASES = [
     "causal", "sliding_window", "document", "alibi", "softcap", "relative_bias",
-    "prefix_lm", "learned_bias",
+    "prefix_lm", "fixed_bias", "learned_bias",
 ]  # fmt: skip
 
 

@@ -59,22 +59,33 @@ def _on_tpu(op, dense):
 
 
 def _dense_backward(*args):
-    """torch's dense backward, with a gradient for every floating tensor score_mod
-    captured when it runs inside a compiled program.
+    """torch's dense backward, with the gradient of every tensor score_mod captured
+    whose gradient score_mod's joint graph computes, when it runs in a trace.
 
     torch's dense backward leaves out the gradient of a captured tensor that does not
-    require one; its fake kernel, which shaped the compiled graph, does not. The
-    tensors a compiled program traces never require gradients, so there each is
-    marked to."""
+    require one, and the tensors a trace runs on never require gradients; but the
+    program traced (a compiled graph, whose shape the fake kernel set, or a
+    torchtpu.jit step) needs those its joint graph was made for."""
     if tracing.active() is None:
         return _hop.sdpa_dense_backward(*args)
     *head, buffers, mask_buffers = args
+    joint_graph = head[8]
+    wanted = _gradients_computed(joint_graph, len(buffers))
     buffers = tuple(
-        b.detach().requires_grad_() if isinstance(b, torch.Tensor) and b.is_floating_point() else b
-        for b in buffers
+        b.detach().requires_grad_() if want and isinstance(b, torch.Tensor) else b
+        for b, want in zip(buffers, wanted)
     )
     with torch.no_grad():
         return _hop.sdpa_dense_backward(*head, buffers, mask_buffers)
+
+
+def _gradients_computed(joint_graph, count: int) -> list:
+    """Per captured tensor, whether score_mod's joint graph returns its gradient (its
+    last ``count`` outputs; None where the tensor needed none when it was traced)."""
+    if joint_graph is None or not count:
+        return [False] * count
+    output = next(n for n in joint_graph.graph.nodes if n.op == "output")
+    return [o is not None for o in output.args[0][-count:]]
 
 
 OPS = (_hop.flex_attention, _hop.flex_attention_backward)
