@@ -1616,6 +1616,35 @@ def test_grouped_mm(fn, args):
     check(fn, *args, grad=True, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize(
+    "values, options",
+    [
+        (torch.randn(1000, generator=torch.Generator().manual_seed(0)), {}),
+        (torch.randn(1000, generator=torch.Generator().manual_seed(0)) * 1e20, {"bins": 13}),
+        (torch.randn(300, generator=torch.Generator().manual_seed(1)), {"bins": 10, "min": -1, "max": 1}),
+        (torch.randn(300, generator=torch.Generator().manual_seed(1)), {"bins": 5, "min": 0.3, "max": 0.3}),
+        (torch.tensor([1.0, 1.0, 1.0]), {"bins": 4}),
+        (torch.tensor([0.0, 1.0, float("nan"), 2.0, 3.0]), {"bins": 3, "min": 0, "max": 3}),
+        (torch.linspace(0, 1, 101), {"bins": 10, "min": 0, "max": 1}),
+        (torch.empty(0), {"bins": 4, "min": 2, "max": 2}),
+    ],
+)
+def test_histc_edges_and_bounds(values, options, mode):
+    """histc computes in the input's dtype (float64 would send it to the host on a
+    TPU): every value lands in the CPU's bin, the last edge and NaN included."""
+    assert_same(torch.histc(tpu(values), **options), torch.histc(values, **options), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("options", [{"min": 1, "max": 0}, {"min": 0, "max": float("inf")}])
+def test_histc_refuses_bounds_as_the_cpu(options):
+    x = torch.randn(10)
+    with pytest.raises(RuntimeError) as cpu:
+        torch.histc(x, **options)
+    with pytest.raises(RuntimeError) as on_tpu:
+        torch.histc(tpu(x), **options)
+    assert str(on_tpu.value).startswith(str(cpu.value))
+
+
 def test_histc_integer_input():
     # torch's CPU kernel refuses integer input; CUDA's bins it, and Hugging Face's MoE
     # routing relies on that off the CPU. Same counts as histc of the float values.
@@ -1623,6 +1652,9 @@ def test_histc_integer_input():
     for dtype in (torch.int32, torch.int64):
         expected = torch.histc(experts.float(), bins=4, min=0, max=3).to(dtype)
         assert_same(torch.histc(tpu(experts.to(dtype)), bins=4, min=0, max=3), expected)
+        # min == max: the data's extremes
+        expected = torch.histc(experts.float(), bins=3).to(dtype)
+        assert_same(torch.histc(tpu(experts.to(dtype)), bins=3), expected)
 
 
 @pytest.mark.parametrize("dim", [0, 2])

@@ -517,35 +517,55 @@ def _linear_search_bin(values, edges):
     return _linear_bin(values, edges, local_search=True)
 
 
-@lowers(aten.histc.default)
+@lowers(aten.histc.default, static=("min", "max"))
 def histc(self, bins=100, min=0, max=0):
-    # Integer input is binned as on CUDA (torch's CPU kernel refuses it): Hugging Face's
-    # MoE routing counts tokens per expert with an int histc on accelerators.
-    counts_dtype = self.dtype
-    if jnp.issubdtype(self.dtype, jnp.integer):
-        self = self.astype(jnp.float64)
-    _require_floating(self, "histogram_cpu")
+    """As torch's kernels, in the input's dtype (no float64: on a TPU that would send
+    every call to the host). Integer input is binned as on CUDA, in integer
+    arithmetic (torch's CPU kernel refuses it): Hugging Face's MoE routing counts
+    tokens per expert with an int histc on accelerators."""
+    integer = jnp.issubdtype(self.dtype, jnp.integer)
+    if not integer:
+        _require_floating(self, "histogram_cpu")
     _check_bin_counts([bins])
-    left, right = jnp.asarray(min, jnp.float64), jnp.asarray(max, jnp.float64)
-    if self.size:
-        # min == max (both 0 by default) means the data's extremes.
-        use_data = left == right
-        left = jnp.where(use_data, jnp.min(self).astype(jnp.float64), left)
-        right = jnp.where(use_data, jnp.max(self).astype(jnp.float64), right)
-    empty = left == right
-    left, right = jnp.where(empty, left - 1, left), jnp.where(empty, right + 1, right)
-    error_if(
-        ~(jnp.isfinite(left) & jnp.isfinite(right)),
-        RuntimeError,
-        "torch.histc: range of [min, max] is not finite",
-    )
-    error_if(left > right, RuntimeError, "torch.histc: max must be larger than min")
-    edges = _linspace_edges(left, right, bins, self.dtype)
+    left, right = _histc_range(self, min, max, integer)
+    values = self.reshape(-1)
+    if integer:
+        position = (values - left) * jnp.asarray(bins, self.dtype) // (right - left)
+    else:
+        position = (values - left) * jnp.asarray(bins, self.dtype) / (right - left)
+    position = jnp.clip(position.astype(jnp.int32), 0, bins - 1)  # the last edge: last bin
+    inside = (values >= left) & (values <= right)  # NaN is neither
+    position = jnp.where(inside, position, bins)
+    return jnp.zeros(bins, self.dtype).at[position].add(jnp.ones((), self.dtype), mode="drop")
 
-    def locate(values, edges):
-        return _linear_bin(values, edges, local_search=False)
 
-    return _histogram(self.reshape(-1, 1), [edges], None, False, locate).astype(counts_dtype)
+def _histc_range(self, low, high, integer):
+    """histc's outer edges in the input's dtype. ``min == max`` (both 0 by default)
+    means the data's extremes; an empty range widens by 1 each way. Given bounds are
+    checked at once, as torch checks them; the data's, when the values are read."""
+    dtype = self.dtype
+    if low == high and self.size:
+        left, right = jnp.min(self), jnp.max(self)
+        empty = left == right
+        one = jnp.asarray(1, dtype)
+        left, right = jnp.where(empty, left - one, left), jnp.where(empty, right + one, right)
+        if not integer:
+            error_if(
+                ~(jnp.isfinite(left) & jnp.isfinite(right)),
+                RuntimeError,
+                "torch.histc: range of [min, max] is not finite",
+            )
+        return left, right
+    low, high = float(low), float(high)
+    if low == high:
+        low, high = low - 1, high + 1
+    if not (math.isfinite(low) and math.isfinite(high)):
+        raise RuntimeError(f"torch.histc: range of [{low:g}, {high:g}] is not finite")
+    if low > high:
+        raise RuntimeError("torch.histc: max must be larger than min")
+    if integer:  # CUDA converts the bounds to the input's type, truncating
+        low, high = int(low), int(high)
+    return jnp.asarray(low, dtype), jnp.asarray(high, dtype)
 
 
 @lowers(aten.histogram.bin_ct)
