@@ -6,8 +6,9 @@
     python benchmarks/gpt.py --only jit,jax        # some of the paths
 
 The model (nanoGPT's shape, issue #40): token and position embeddings, pre-norm blocks
-of causal ``scaled_dot_product_attention`` and a GELU MLP, an untied head; parameters
-in bfloat16 (``--dtype float32`` for float32), AdamW, every step reading its loss.
+of causal ``scaled_dot_product_attention`` and a GELU MLP (benchmarks/eager_modes.py's
+block), an untied head; parameters in bfloat16 (``--dtype float32`` for float32),
+AdamW, every step reading its loss.
 Paths: Strict and DeferAndFuse eager, ``torch.compile(step, backend="tpu")`` of the
 whole step (forward, backward, ``opt.step()``), ``torchtpu.jit(step)``, and the same
 model and AdamW written in JAX under one ``jax.jit`` with donated state (the floor).
@@ -40,7 +41,7 @@ import torch.nn.functional as F  # noqa: E402
 
 import torchtpu  # noqa: E402
 from benchmarks import quiet  # noqa: E402
-from benchmarks.eager_modes import runtime_line  # noqa: E402
+from benchmarks.eager_modes import Block, runtime_line  # noqa: E402
 
 # First steps compile from scratch: no programs from JAX's persistent cache. (Programs
 # an earlier path of this run compiled stay in the process: later paths' first steps
@@ -48,23 +49,6 @@ from benchmarks.eager_modes import runtime_line  # noqa: E402
 torchtpu.config.compile_cache_dir = None
 
 PATHS = ("jax", "strict", "defer", "compile", "jit")  # jax first: the ratios divide by it
-
-
-class Block(nn.Module):
-    def __init__(self, d: int, heads: int):
-        super().__init__()
-        self.heads = heads
-        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
-        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
-        self.fc, self.out = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
-
-    def forward(self, x):
-        b, t, d = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split(d, dim=-1)
-        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
-        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
-        return x + self.out(F.gelu(self.fc(self.ln2(x)), approximate="tanh"))
 
 
 class GPT(nn.Module):
@@ -144,8 +128,8 @@ def jax_step(args):
             q, k, v = (z.reshape(b, t, h, d // h) for z in (q, k, v))
             a = jax.nn.dot_product_attention(q, k, v, is_causal=True).reshape(b, t, d)
             x = x + linear(a, p, f"{n}.proj")
-            m = jax.nn.gelu(linear(layer_norm(x, p, f"{n}.ln2"), p, f"{n}.fc"), approximate=True)
-            x = x + linear(m, p, f"{n}.out")
+            m = jax.nn.gelu(linear(layer_norm(x, p, f"{n}.ln2"), p, f"{n}.fc1"), approximate=False)
+            x = x + linear(m, p, f"{n}.fc2")
         logits = linear(layer_norm(x, p, "ln_f"), p, "head").astype(jnp.float32)
         logp = jax.nn.log_softmax(logits.reshape(-1, args.vocab))
         return -jnp.mean(jnp.take_along_axis(logp, labels.reshape(-1, 1), 1))

@@ -1445,11 +1445,6 @@ ATTENTION = [
 ]
 
 
-@pytest.mark.parametrize("fn,args", ATTENTION)
-def test_attention(fn, args):
-    check(fn, *args, grad=True)
-
-
 def test_attention_modes(mode):
     check(
         lambda q, k, v, m: F.scaled_dot_product_attention(q, k, v, attn_mask=m),
@@ -1465,7 +1460,7 @@ _GQA_Q = _randn(2, 4, 3, 4)
 _MASKED_ROW = _BOOL_MASK.clone()
 _MASKED_ROW[1] = False  # a query that sees nothing: zeros, as torch's math path gives
 
-MORE_ATTENTION = [
+ATTENTION += [
     # a query broadcast over the key's batch: torch's math path (the op reduces nothing)
     _case("sdpa_broadcast_query", F.scaled_dot_product_attention, _Q[0], _K, _VV),
     # float64 accumulates in float64 (on a TPU it runs on the host)
@@ -1494,8 +1489,8 @@ MORE_ATTENTION = [
 ]
 
 
-@pytest.mark.parametrize("fn,args", MORE_ATTENTION)
-def test_more_attention(fn, args):
+@pytest.mark.parametrize("fn,args", ATTENTION)
+def test_attention(fn, args):
     check(fn, *args, grad=True)
 
 
