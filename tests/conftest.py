@@ -46,11 +46,12 @@ _ACCELERATOR = _start_on_accelerator()
 def _platform_tolerances_everywhere():
     """On an accelerator with tolerances of its own (Note [Tolerances per platform] in
     observe/compare.py), every comparison in the suite allows for them: those written
-    as ``torch.testing.assert_close`` too, not only `assert_same`'s."""
+    as ``torch.testing.assert_close`` or ``pytest.approx`` too, not only
+    `assert_same`'s."""
     if _ACCELERATOR is None or not compare.platform_tolerances():
         yield
         return
-    original = torch.testing.assert_close
+    original, original_approx = torch.testing.assert_close, pytest.approx
 
     def assert_close(actual, expected, *, rtol=None, atol=None, **kwargs):
         dtype = _floating_dtype(expected)
@@ -58,11 +59,17 @@ def _platform_tolerances_everywhere():
             rtol, atol = compare.tolerance(dtype, rtol, atol)
         return original(actual, expected, rtol=rtol, atol=atol, **kwargs)
 
-    torch.testing.assert_close = assert_close
+    def approx(expected, rel=None, abs=None, **kwargs):
+        dtype = _floating_dtype(expected)
+        if dtype is not None:
+            rel, abs = compare.tolerance(dtype, rel, abs)
+        return original_approx(expected, rel=rel, abs=abs, **kwargs)
+
+    torch.testing.assert_close, pytest.approx = assert_close, approx
     try:
         yield
     finally:
-        torch.testing.assert_close = original
+        torch.testing.assert_close, pytest.approx = original, original_approx
 
 
 def _floating_dtype(value):

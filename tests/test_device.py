@@ -183,18 +183,21 @@ def test_memory_allocated_moves_by_a_tensors_size():
     import gc
 
     gc.collect()  # arrays of earlier tests, unreferenced, go now rather than mid-test
-    # The program that fills it, made once first: on a v5e the first call counted 49 KiB
-    # beyond the tensor's bytes (what the newly loaded program holds, we take it).
-    torch.ones(1024, 256, device="tpu")
-    torch.tpu.synchronize()
+    # Counted at once, as torch's allocator counts, with no wait: on a v5e the device's
+    # own bytes_in_use moved by 0 bytes here (an array's buffer is counted from when its
+    # program runs, and a deleted one's until the device is done with it) and by the
+    # tensor's bytes plus 49 KiB on a first call (the program loaded for it).
     before = torch.tpu.memory_allocated()
     x = torch.ones(1024, 256, device="tpu")
     assert torch.tpu.memory_allocated() - before == 1024 * 256 * 4
     assert torch.tpu.max_memory_allocated() >= torch.tpu.memory_allocated()
+    assert torch.tpu.memory_reserved() >= torch.tpu.memory_allocated()
     stats = torch.tpu.memory_stats()
     assert stats["source"] in ("jax", "live arrays")
     del x
     assert torch.tpu.memory_allocated() == before
+    torch.tpu.reset_peak_memory_stats()
+    assert torch.tpu.max_memory_allocated() == torch.tpu.memory_allocated()
     free, total = torch.tpu.mem_get_info()
     assert 0 < free <= total
     assert "MiB allocated" in torch.tpu.memory_summary()

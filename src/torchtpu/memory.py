@@ -2,12 +2,24 @@
 ``torch.accelerator``'s memory functions for the tpu accelerator.
 
 JAX owns device memory: an array's buffer is freed when its last reference goes, and
-there is no cache of free blocks for torch to empty. The numbers come from the JAX
-device's own statistics where the backend keeps them (TPU, GPU: ``bytes_in_use``,
-``peak_bytes_in_use``, ``bytes_limit``), and from torchtpu's count of the live JAX
-arrays on the device where it does not (the CPU backend); ``memory_stats()["source"]``
-says which. Counted are buffers that exist: an uninitialised ``torch.empty`` tensor holds
-none until it is written, and a DeferAndFuse value none until its chunk runs.
+there is no cache of free blocks for torch to empty. As torch's, the numbers mean:
+
+- allocated: the bytes of the arrays that exist on the device now (torch: "memory
+  occupied by tensors"), counted from JAX's live arrays on every platform. A device's
+  own ``bytes_in_use`` is not this: it also holds loaded programs, and on a TPU a
+  buffer is counted from when its program runs and until the device has finished with
+  it, so a tensor just made or just deleted moved it by 0 bytes on a v5e.
+- reserved: the device's ``bytes_in_use`` where the backend keeps statistics (TPU,
+  GPU), else allocated.
+- peak: the largest of allocated seen by a call since the last reset and, where the
+  device keeps one, its ``peak_bytes_in_use`` once it has grown past its value at the
+  reset: that peak includes what a step holds while it runs (activations,
+  temporaries, the old and new parameters of an update), which no call between steps
+  can see. On the CPU backend, which keeps no peak, a step's inner peak is not seen.
+
+Counted are buffers that exist: an uninitialised ``torch.empty`` tensor holds none
+until it is written, and a DeferAndFuse value none until its chunk runs;
+``memory_stats()["source"]`` says whether the device's statistics were read.
 
 torch 2.13's ``torch.accelerator.empty_cache()`` and ``memory_*`` ask the C++ allocator
 of the current accelerator, which a Python backend cannot provide (an INTERNAL ASSERT:
@@ -24,35 +36,44 @@ import torch
 from torchtpu.runtime import devices, jax
 from torchtpu.runtime import index_of as _index
 
-# Peaks of the live-array count, per device index, since the last reset (the CPU
-# backend keeps no peak of its own: this one is the largest count seen by a call).
+# Per device index: the largest allocated count a call has seen since the last reset,
+# and the device's own peak at that reset (a TPU's peak cannot be reset, only compared).
 _peaks: dict[int, int] = {}
+_device_peak_at_reset: dict[int, int] = {}
 
 
 def memory_stats(device=None) -> dict:
     """Statistics of a device's memory, with torch's key names where they apply."""
     index = _index(device)
     chip = devices()[index]
+    current = sum(_bytes_on(a, chip) for a in jax().live_arrays() if not a.is_deleted())
+    peak = _peaks[index] = max(_peaks.get(index, 0), current)
     stats = chip.memory_stats()
     if stats:
-        current = int(stats.get("bytes_in_use", 0))
-        peak = int(stats.get("peak_bytes_in_use", current))
-        reserved = int(stats.get("bytes_reserved", current))
-        limit = int(stats.get("bytes_limit", 0))
-        source = "jax"
+        reserved = int(stats.get("bytes_in_use", current))
+        device_peak = int(stats.get("peak_bytes_in_use", reserved))
+        if device_peak > _device_peak_at_reset.get(index, 0):
+            peak = max(peak, device_peak)
+        limit, source = int(stats.get("bytes_limit", 0)), "jax"
     else:
-        current = sum(
-            a.nbytes for a in jax().live_arrays() if not a.is_deleted() and chip in a.devices()
-        )
-        peak, reserved, limit, source = current, current, 0, "live arrays"
-    peak = _peaks[index] = max(_peaks.get(index, 0), peak, current)
+        reserved, limit, source = current, 0, "live arrays"
     return {
         "allocated_bytes.all.current": current,
         "allocated_bytes.all.peak": peak,
-        "reserved_bytes.all.current": reserved,
+        "reserved_bytes.all.current": max(reserved, current),
         "bytes_limit": limit,
         "source": source,
     }
+
+
+def _bytes_on(array, chip) -> int:
+    """The bytes of ``array`` that ``chip`` holds (a sharded array's share only)."""
+    held = array.devices()
+    if chip not in held:
+        return 0
+    if len(held) == 1:
+        return array.nbytes
+    return sum(s.data.nbytes for s in array.addressable_shards if s.device == chip)
 
 
 def memory_allocated(device=None) -> int:
@@ -61,13 +82,15 @@ def memory_allocated(device=None) -> int:
 
 
 def max_memory_allocated(device=None) -> int:
-    """The largest `memory_allocated` since the start or `reset_peak_memory_stats` (on
-    the CPU backend: the largest seen by a call of these functions)."""
+    """The most bytes held since the start or `reset_peak_memory_stats`: the device's
+    peak where it keeps one (a TPU's includes what a step holds while it runs), else the
+    largest `memory_allocated` a call of these functions has seen."""
     return memory_stats(device)["allocated_bytes.all.peak"]
 
 
 def memory_reserved(device=None) -> int:
-    """Bytes the backend's allocator holds (as allocated where it keeps no reserve)."""
+    """Bytes the device's allocator holds (programs and buffers not yet released
+    included), at least allocated."""
     return memory_stats(device)["reserved_bytes.all.current"]
 
 
@@ -76,15 +99,19 @@ def max_memory_reserved(device=None) -> int:
 
 
 def reset_peak_memory_stats(device=None) -> None:
-    _peaks.pop(_index(device), None)
+    index = _index(device)
+    _peaks.pop(index, None)
+    stats = devices()[index].memory_stats() or {}
+    _device_peak_at_reset[index] = int(stats.get("peak_bytes_in_use", 0))
 
 
 def mem_get_info(device=None) -> tuple[int, int]:
-    """(free, total) bytes of the device: from JAX's limit where the backend reports
-    one, else the host's memory (the CPU backend's arrays live there)."""
+    """(free, total) bytes of the device: its limit less what its allocator holds where
+    the backend reports one, else the host's memory (the CPU backend's arrays live
+    there)."""
     stats = memory_stats(device)
     if stats["bytes_limit"]:
-        return stats["bytes_limit"] - stats["allocated_bytes.all.current"], stats["bytes_limit"]
+        return stats["bytes_limit"] - stats["reserved_bytes.all.current"], stats["bytes_limit"]
     page = os.sysconf("SC_PAGE_SIZE")
     return os.sysconf("SC_AVPHYS_PAGES") * page, os.sysconf("SC_PHYS_PAGES") * page
 
