@@ -7,15 +7,20 @@
 
 The model (nanoGPT's shape, issue #40): token and position embeddings, pre-norm blocks
 of causal ``scaled_dot_product_attention`` and a GELU MLP (benchmarks/eager_modes.py's
-block), an untied head; parameters in bfloat16 (``--dtype float32`` for float32),
-AdamW, every step reading its loss.
+block), an untied head, AdamW, every step reading its loss. ``--dtype``: parameters
+in ``bfloat16`` (the default), or ``float32``, or ``autocast``: float32 parameters and
+the forward under ``torch.autocast("tpu", dtype=torch.bfloat16)``, the torch idiom
+(the JAX row then casts as autocast does: products in bfloat16, norms, softmax and the
+residual stream in float32).
 Paths: Strict and DeferAndFuse eager, ``torch.compile(step, backend="tpu")`` of the
 whole step (forward, backward, ``opt.step()``), ``torchtpu.jit(step)``, and the same
 model and AdamW written in JAX under one ``jax.jit`` with donated state (the floor).
 
 Per path: the first step (tracing and compiling; two calls for torchtpu.jit, whose
 first call runs eagerly; in one process, so a later path reuses the eager ops'
-programs an earlier one compiled), then the median seconds per step, tokens per second, the
+programs an earlier one compiled), the XLA programs torchtpu compiled for it (per-op
+programs, DeferAndFuse chunks, compiled graphs and steps: ``torchtpu.metrics()``),
+then the median seconds per step, tokens per second, the
 share of the chip's peak (MFU, from nanoGPT's 6N + 12·layers·d·seq FLOPs per token;
 ``--peak-tflops``, 197 for a TPU v5e's bfloat16) and the ratio to JAX's step. A path
 that fails (out of memory) prints its error in its row and the others go on.
@@ -67,7 +72,7 @@ class GPT(nn.Module):
 
 def _model(args) -> GPT:
     torch.manual_seed(0)
-    return GPT(args.layers, args.d, args.heads, args.vocab, args.seq).to(args.torch_dtype)
+    return GPT(args.layers, args.d, args.heads, args.vocab, args.seq).to(args.param_dtype)
 
 
 def _tokens(args) -> torch.Tensor:
@@ -84,7 +89,8 @@ def torch_step(args, how: str):
 
     def step():
         opt.zero_grad()
-        logits = model(tokens[:, :-1])
+        with torch.autocast("tpu", dtype=torch.bfloat16, enabled=args.autocast):
+            logits = model(tokens[:, :-1])
         loss = F.cross_entropy(logits.reshape(-1, vocab).float(), tokens[:, 1:].reshape(-1))
         loss.backward()
         opt.step()
@@ -100,10 +106,12 @@ def torch_step(args, how: str):
 def jax_step(args):
     """The same model and AdamW (torch's defaults: betas 0.9, 0.999, eps 1e-8, weight
     decay 0.01) in JAX, one ``jax.jit`` with the state donated."""
-    dtype = jnp.bfloat16 if args.torch_dtype == torch.bfloat16 else jnp.float32
+    dtype = jnp.bfloat16 if args.param_dtype == torch.bfloat16 else jnp.float32
     params = {
         k: jnp.asarray(v.float().numpy(), dtype) for k, v in _model(args).state_dict().items()
     }
+    # torch.autocast: matmuls (and their results) in bfloat16, the rest as it comes.
+    low = (lambda a: a.astype(jnp.bfloat16)) if args.autocast else (lambda a: a)
     tokens = jnp.asarray(_tokens(args).numpy())
     d, h = args.d, args.heads
 
@@ -115,8 +123,8 @@ def jax_step(args):
         return (y * p[f"{name}.weight"] + p[f"{name}.bias"]).astype(x.dtype)
 
     def linear(x, p, name):
-        y = x @ p[f"{name}.weight"].T
-        return y + p[f"{name}.bias"] if f"{name}.bias" in p else y
+        y = low(x) @ low(p[f"{name}.weight"]).T
+        return y + low(p[f"{name}.bias"]) if f"{name}.bias" in p else y
 
     def loss_fn(p):
         inputs, labels = tokens[:, :-1], tokens[:, 1:]
@@ -127,9 +135,9 @@ def jax_step(args):
             q, k, v = jnp.split(linear(layer_norm(x, p, f"{n}.ln1"), p, f"{n}.qkv"), 3, axis=-1)
             q, k, v = (z.reshape(b, t, h, d // h) for z in (q, k, v))
             a = jax.nn.dot_product_attention(q, k, v, is_causal=True).reshape(b, t, d)
-            x = x + linear(a, p, f"{n}.proj")
+            x = x + linear(a, p, f"{n}.proj").astype(x.dtype)
             m = jax.nn.gelu(linear(layer_norm(x, p, f"{n}.ln2"), p, f"{n}.fc1"), approximate=False)
-            x = x + linear(m, p, f"{n}.fc2")
+            x = x + linear(m, p, f"{n}.fc2").astype(x.dtype)
         logits = linear(layer_norm(x, p, "ln_f"), p, "head").astype(jnp.float32)
         logp = jax.nn.log_softmax(logits.reshape(-1, args.vocab))
         return -jnp.mean(jnp.take_along_axis(logp, labels.reshape(-1, 1), 1))
@@ -167,8 +175,15 @@ def flops_per_step(args) -> float:
     return per_token * args.batch * args.seq
 
 
+def programs_compiled() -> int:
+    """XLA programs torchtpu has compiled in this process, of every kind."""
+    return sum(torchtpu.metrics().get("compiles", {}).values())
+
+
 def measure(step, mode: str | None, steps: int, repeat: int, first_calls: int = 1):
-    """(seconds of the first ``first_calls`` steps, median seconds per step)."""
+    """(seconds of the first ``first_calls`` steps, median seconds per step, programs
+    compiled meanwhile)."""
+    compiled = programs_compiled()
     with torchtpu.set_eager_mode(mode) if mode else contextlib.nullcontext():
         start = time.perf_counter()
         for _ in range(first_calls):
@@ -181,7 +196,7 @@ def measure(step, mode: str | None, steps: int, repeat: int, first_calls: int = 
             for _ in range(steps):
                 step()
             runs.append((time.perf_counter() - start) / steps)
-    return first, statistics.median(runs)
+    return first, statistics.median(runs), programs_compiled() - compiled
 
 
 def main():
@@ -191,7 +206,7 @@ def main():
     parser.add_argument("--heads", type=int, default=12)
     parser.add_argument("--vocab", type=int, default=50304)
     parser.add_argument("--tokens", default="8x1024", help="batch x sequence length")
-    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32", "autocast"))
     parser.add_argument("--tiny", action="store_true", help="2 layers, d 64, 4x64 tokens")
     parser.add_argument("--only", default=",".join(PATHS))
     parser.add_argument("--steps", type=int, default=5, help="steps per timed run")
@@ -201,7 +216,8 @@ def main():
     if args.tiny:
         args.layers, args.d, args.heads, args.vocab, args.tokens = 2, 64, 4, 512, "4x64"
     args.batch, args.seq = map(int, args.tokens.split("x"))
-    args.torch_dtype = getattr(torch, args.dtype)
+    args.autocast = args.dtype == "autocast"
+    args.param_dtype = torch.float32 if args.autocast else getattr(torch, args.dtype)
 
     print(runtime_line())
     quiet.check_before_start()
@@ -212,8 +228,8 @@ def main():
         f"vocab {args.vocab}, {args.batch}x{args.seq} tokens, {args.dtype}, AdamW; "
         f"{flops / 1e12:.2f} TFLOP a step\n"
     )
-    print("| path | first step | per step | tokens/s | MFU | vs jax.jit |")
-    print("|---|---|---|---|---|---|")
+    print("| path | first step | programs | per step | tokens/s | MFU | vs jax.jit |")
+    print("|---|---|---|---|---|---|---|")
     rows, floor, failed = {}, None, []
     for path in PATHS:
         if path not in args.only.split(","):
@@ -232,15 +248,16 @@ def main():
                 )
         except Exception as exc:  # an out-of-memory path must not hide the others
             message = f"{type(exc).__name__}: {str(exc).splitlines()[0][:150]}"
-            print(f"| {path} | failed: {message} | | | | |", flush=True)
+            print(f"| {path} | failed: {message} | | | | | |", flush=True)
             traceback.print_exc(file=sys.stderr)
             failed.append(path)
             continue
-        first, per_step = rows[path]
+        first, per_step, programs = rows[path]
         mfu = flops / per_step / (args.peak_tflops * 1e12)
         ratio = "" if floor is None else f"{per_step / floor:.2f}x"
+        programs = "(jax)" if path == "jax" else programs
         print(
-            f"| {path} | {first:.1f} s | {per_step * 1e3:.1f} ms "
+            f"| {path} | {first:.1f} s | {programs} | {per_step * 1e3:.1f} ms "
             f"| {args.batch * args.seq / per_step:,.0f} | {100 * mfu:.1f}% | {ratio} |",
             flush=True,
         )

@@ -1,0 +1,31 @@
+"""The benchmarks that CI does not time still run: each in its smoke size on the CPU
+backend, so that a change cannot break a table that is only measured on a device."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_gpt_benchmark_fills_every_row():
+    run = subprocess.run(
+        [sys.executable, "benchmarks/gpt.py", "--tiny", "--dtype", "autocast",
+         "--steps", "1", "--repeat", "1"],
+        cwd=ROOT, capture_output=True, text=True, timeout=900,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
+    rows = {
+        line.split("|")[1].strip(): line
+        for line in run.stdout.splitlines()
+        if line.startswith("| ") and not line.startswith("| path")
+    }
+    assert set(rows) == {"jax", "strict", "defer", "compile", "jit"}, run.stdout
+    for line in rows.values():
+        assert "failed" not in line and " ms " in line, line
+    # torchtpu.jit runs its step as one program once traced: exactly one new compile
+    # (the eager ops of its first call were compiled by the paths before it).
+    assert rows["jit"].split("|")[3].strip() == "1", rows["jit"]
