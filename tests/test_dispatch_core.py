@@ -184,6 +184,71 @@ def test_a_donated_parameter_buffer_holds_its_updated_value_not_its_gradient():
     assert not copies, copies
 
 
+def _donated():
+    return torchtpu.metrics().get("donated", {}).get("op", 0)
+
+
+@pytest.mark.parametrize("mode", ["strict", "debug"])
+def test_an_in_place_write_reuses_its_buffer_when_nothing_else_holds_it(mode):
+    """Note [Strict writes reuse their buffers]: the replaced base array is donated,
+    through a view too, and in a loop that is one program."""
+    cpu = torch.arange(12.0).reshape(3, 4)
+    with torch.tpu.set_eager_mode(mode):
+        x = cpu.to("tpu")
+        torchtpu.reset_metrics()
+        for _ in range(4):
+            x.add_(1.5)
+        x[1].mul_(2)  # through a view: the storage's base is still its own
+        cpu.add_(6.0)
+        cpu[1].mul_(2)
+        assert _donated() == 5
+        # add_ once and the view's mul_ (none where an earlier test compiled them)
+        assert torchtpu.metrics().get("compiles", {}).get("op", 0) <= 2
+        assert_same(x, cpu)
+
+
+def test_an_array_held_elsewhere_is_never_donated():
+    x = torch.ones(6, device="tpu")
+    x.add_(1)
+    held = torchtpu.to_jax(x)  # the array x holds, not a copy
+    twin = x.detach()  # shares the storage: not a holder of its own
+    torchtpu.reset_metrics()
+    x.add_(1)
+    assert _donated() == 0
+    assert not held.is_deleted() and held.tolist() == [2.0] * 6
+    del held
+    x.add_(1)
+    assert _donated() == 1
+    assert_same(twin, torch.full((6,), 4.0))
+
+
+def test_an_optimizer_step_updates_its_state_in_place_buffers():
+    """AdamW's ``_foreach_*_`` updates of parameters and moments donate their old
+    arrays in Strict; the step still matches the CPU."""
+    torch.manual_seed(0)
+    cpu_model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    model.load_state_dict(cpu_model.state_dict())
+    model.to("tpu")
+    batch = torch.randn(8, 16)
+    losses = {}
+    for name, m, x in (("cpu", cpu_model, batch), ("tpu", model, batch.to("tpu"))):
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+        losses[name] = []
+        torchtpu.reset_metrics()
+        for _ in range(3):
+            opt.zero_grad()
+            loss = m(x).square().mean()
+            loss.backward()
+            opt.step()
+            losses[name].append(loss.item())
+    # Parameters and both moments, every step but the first (which makes the moments)
+    assert _donated() >= 2 * 3 * 4
+    torch.testing.assert_close(torch.tensor(losses["tpu"]), torch.tensor(losses["cpu"]))
+    for p, q in zip(model.parameters(), cpu_model.parameters()):
+        torch.testing.assert_close(p.detach().cpu(), q.detach())
+
+
 def test_numbers_are_inputs_kept_as_arrays_per_value():
     """Note [Numbers as arrays]: a Python number reaches the compiled function as a 0-d
     array made once per value, with the dtype and weak type JAX gives the number, so

@@ -82,6 +82,7 @@ class Plan:
         "fast",
         "host_rule",
         "traced_rule",
+        "donating",
     )
 
 
@@ -274,6 +275,7 @@ def build(op, lowering, info_: SchemaInfo, rules, values: list, call: Call) -> P
     plan.traced = False
     plan.reads_arrays = n_arrays > 0
     plan.call = jax().jit(plan.fn)
+    plan.donating = {}  # plans.py _donating: its programs by the positions they donate
     # What running or recording it needs, computed once.
     plan.fresh = [None if o is None else (o, o.meta) for o in outputs]
     plan.avals = [

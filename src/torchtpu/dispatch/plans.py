@@ -9,6 +9,8 @@ wrapped from metadata the plan computed once.
 
 from __future__ import annotations
 
+import functools
+import sys
 import time
 
 import torch
@@ -184,17 +186,25 @@ def _execute(plan: Plan, call, device: int, debug: bool):
         if plan.traced_rule is not None:
             raise host.refused(plan)
         flat = plan.call(*args) if host_run else _call(plan, args, device)
-    elif not plan.compiled:
-        start = time.perf_counter()
-        flat = _call(plan, args, device)
-        plan.compiled = True
-        _note_fast(plan)
-        metrics.count("compiles", "op")
-        metrics.count("compile_seconds", "op", time.perf_counter() - start)
-    elif host_run or (device and not plan.reads_arrays):
-        flat = _call(plan, args, device)
+        donated = ()
     else:
-        flat = plan.call(*args)
+        # Note [Strict writes reuse their buffers]
+        donated = _dead_written(plan, args) if plan.written_arrays and not host_run else ()
+        if not plan.compiled:
+            start = time.perf_counter()
+            flat = _call(plan, args, device, donated)
+            plan.compiled = True
+            _note_fast(plan)
+            metrics.count("compiles", "op")
+            metrics.count("compile_seconds", "op", time.perf_counter() - start)
+        elif host_run or (device and not plan.reads_arrays):
+            flat = _call(plan, args, device, donated)
+        elif plan.written_arrays:
+            flat = _donating(plan, donated, args)
+        else:
+            flat = plan.call(*args)
+    if donated:
+        metrics.count("donated", "op", len(donated))
     n_out = len(plan.outputs)
     n_written = len(plan.written_slots)
     if debug:
@@ -226,7 +236,7 @@ def _note_fast(plan: Plan) -> None:
     )
 
 
-def _call(plan: Plan, args, device: int):
+def _call(plan: Plan, args, device: int, donated: tuple = ()):
     if plan.host_rule is not None:
         return host.call(plan, args, device)
     if device != 0 and not plan.reads_arrays:
@@ -236,7 +246,66 @@ def _call(plan: Plan, args, device: int):
 
         with jax().default_device(jax_device(device)):
             return plan.call(*args)
+    if plan.written_arrays:
+        return _donating(plan, donated, args)
     return plan.call(*args)
+
+
+# sys.getrefcount of a written array that only its storage holds, as `_dead_written`
+# sees it: the Storage, the call's array list, `_execute`'s argument list, and
+# getrefcount's own argument.
+_HELD_ONLY_BY_ITS_STORAGE = 4
+
+
+def _dead_written(plan: Plan, args: list) -> tuple:
+    """The positions in ``args`` of the arrays this in-place call replaces and nobody
+    else holds: dead once it runs.
+
+    Note [Strict writes reuse their buffers]
+        An in-place op (``add_``, an optimizer's ``_foreach_*_`` update, ``copy_`` or an
+        index write into a buffer) computes its storage's new base array; the old one
+        dies when the storage takes the new. Donated to the op's program, its buffer
+        holds the new base, so a write into a large buffer (the optimizer's moments,
+        a KV cache) needs no second copy of it at its peak, as DeferAndFuse's chunks
+        donate dead inputs (Note [Donating dead inputs] in defer.py). An array anyone
+        else holds -- another storage sharing it, a JAX array the user took with
+        ``torchtpu.to_jax``, a compiled graph's cached handle, a queued DeferAndFuse
+        value -- has more references and is not donated. A storage's new base always
+        has its old base's shape and dtype, so XLA always finds the buffer a use.
+        A plan compiles a donating variant per set of donated positions (_donating):
+        in a loop the same arrays are dead each time, so that is one program."""
+    array = _array_type()
+    dead = []
+    for position in plan.written_arrays:
+        if position is not None:
+            a = args[position]
+            if type(a) is array and sys.getrefcount(a) <= _HELD_ONLY_BY_ITS_STORAGE + 1:
+                dead.append(position)  # (+1: the loop's own variable)
+    return tuple(dead)
+
+
+def _donating(plan: Plan, donated: tuple, args: list):
+    """Run an in-place ``plan`` with the arrays at ``donated`` (maybe none) given to
+    XLA for its outputs: each set of positions is a program of its own."""
+    variants = plan.donating
+    call = variants.get(donated)
+    if call is None:
+        call = variants[donated] = (
+            jax().jit(plan.fn, donate_argnums=donated) if donated else plan.call
+        )
+        if plan.compiled:  # not the plan's first program: counted here
+            start = time.perf_counter()
+            flat = call(*args)
+            metrics.count("compiles", "op")
+            metrics.count("compile_seconds", "op", time.perf_counter() - start)
+            return flat
+    return call(*args)
+
+
+@functools.cache
+def _array_type() -> type:
+    """The type of JAX's concrete arrays (``jax.Array`` is an abstract class)."""
+    return type(jax().numpy.zeros(()))
 
 
 def _record(plan: Plan, call, device: int):
