@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import sys
 
 import torch
 import torch.fx.experimental._config
@@ -38,6 +39,7 @@ from torchtpu.compile.program import Program, flatten_values, unflatten_values
 from torchtpu.compile.segments import Segmented, reads_values
 from torchtpu.dispatch import backward_errors, defer, modes, nested
 from torchtpu.interop import functions as jax_functions
+from torchtpu.observe import metrics
 from torchtpu.runtime import jax
 
 aten = torch.ops.aten
@@ -73,7 +75,7 @@ def _views_as_reshapes(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     return gm
 
 
-def _graph_program(gm: torch.fx.GraphModule) -> Program:
+def _graph_program(gm: torch.fx.GraphModule, donate: tuple = ()) -> Program:
     """The graph run through the eager dispatcher, as a Program (program.py)."""
     gm = _views_as_reshapes(gm)
 
@@ -81,19 +83,86 @@ def _graph_program(gm: torch.fx.GraphModule) -> Program:
         # outputs besides tensors: None, or an int (a size the backward needs)
         return flatten_values(gm(*unflatten_values(static, arrays)))
 
-    return Program(trace_graph, "graph")
+    return Program(trace_graph, "graph", donate)
 
 
-def _compile_graph(gm: torch.fx.GraphModule, example_inputs):
+def _written_back(gm: torch.fx.GraphModule, example_inputs) -> tuple:
+    """The graph inputs that AOTAutograd overwrites with a graph output after each call
+    (an optimizer's parameters and moments, BatchNorm's running statistics): their
+    positions, from AOTAutograd's metadata of the graph being compiled, each checked
+    against the output that replaces it (the first outputs, in order)."""
+    context = torch._guards.TracingContext.try_get()
+    meta = getattr(context, "fw_metadata", None)
+    if meta is None or len(meta.input_info) != len(example_inputs):
+        return ()
+    outputs = _output_values(gm)
+    written = []
+    for k, i in enumerate(meta.mutated_inp_runtime_indices):
+        info, example = meta.input_info[i], example_inputs[i]
+        out = outputs[k] if k < len(outputs) else None
+        if (
+            info.mutates_data
+            and not info.mutates_metadata
+            and isinstance(example, torch.Tensor)
+            and isinstance(out, torch.Tensor)
+            and example.shape == out.shape
+            and example.dtype == out.dtype
+        ):
+            written.append(i)
+    return tuple(written)
+
+
+# sys.getrefcount, in `_dead_written_back`, of an input array that only its tensor holds:
+# its Storage, the tensor's cached handle (the array and the handle's ``_jax``:
+# compile/handles.py), `run`'s list of arrays, the loop's variable and getrefcount's
+# own argument.
+_HELD_ONLY_BY_ITS_TENSOR = 6
+
+
+def _dead_written_back(written: list, arrays: list) -> tuple:
+    """Note [Compiled graphs reuse the inputs they overwrite]
+        AOTAutograd's graphs are functional: an optimizer's compiled step returns new
+        parameters and moments, which AOTAutograd's epilogue then copies into the
+        inputs (a copy that only rebinds the storage: dispatch/special.py ``_copy_``).
+        Run as it is, the program holds old and new state at once: 2.7x torch's peak
+        memory for an MLP's AdamW step. An input the epilogue overwrites and nobody
+        else holds is dead once the program has read it, so it is donated: XLA writes
+        the new value into its buffer. Anyone else holding the array (a JAX array taken
+        with ``torchtpu.to_jax``, another tensor's cached handle) shows as a reference
+        more, and that input is not donated. Only Strict and Debug calls donate: in
+        DeferAndFuse the graph joins a chunk, which donates dead inputs itself (Note
+        [Donating dead inputs] in defer.py). Each set of donated inputs is a program
+        of its own; in a loop that is one."""
+    array = _array_type()
+    dead = []
+    for i in written:
+        a = arrays[i]
+        if type(a) is array and sys.getrefcount(a) <= _HELD_ONLY_BY_ITS_TENSOR:
+            dead.append(i)
+    return tuple(dead)
+
+
+@functools.cache
+def _array_type() -> type:
+    return type(jax().numpy.zeros(()))
+
+
+def _compile_graph(gm: torch.fx.GraphModule, example_inputs, forward: bool = False):
     """AOTAutograd's forward/backward compiler: a boxed function of handles."""
     # Note [Values read inside a compiled graph]
     program = Segmented(gm, _graph_program) if reads_values(gm) else _graph_program(gm)
+    # Note [Compiled graphs reuse the inputs they overwrite]
+    written = _written_back(gm, example_inputs) if forward and type(program) is Program else ()
+    donating: dict = {(): program}
 
     def run(args: list):
         static, arrays = [], []
-        for a in args:
+        written_arrays = [] if written else None  # positions in `arrays` of written inputs
+        for n, a in enumerate(args):
             if handles.is_handle(a):
                 static.append(a.dtype)
+                if written_arrays is not None and n in written:
+                    written_arrays.append(len(arrays))
                 arrays.append(handles.array_of(a))
             elif isinstance(a, torch.Tensor) and a.device.type == "cpu" and a.dim() == 0:
                 # A Python number Dynamo made a graph input (a float that changed
@@ -121,8 +190,19 @@ def _compile_graph(gm: torch.fx.GraphModule, example_inputs):
             if queued is not None:
                 outputs, layout = queued
             else:
+                deferring = modes.is_deferring() or tracing._active is not None
                 arrays = [defer.resolve(a, "compiled call") for a in arrays]
-                outputs, layout = program(static, arrays)
+                donated = (
+                    _dead_written_back(written_arrays, arrays)
+                    if written_arrays and not deferring
+                    else ()
+                )
+                run_program = donating.get(donated)
+                if run_program is None:
+                    run_program = donating[donated] = _graph_program(gm, donated)
+                outputs, layout = run_program(static, arrays)
+                if donated:
+                    metrics.count("donated", "graph", len(donated))
         except Exception as exc:
             if not backward_errors.in_backward():
                 raise
@@ -141,7 +221,7 @@ def _output_values(gm: torch.fx.GraphModule) -> list:
 
 
 _aot_backend = aot_autograd(
-    fw_compiler=_compile_graph,
+    fw_compiler=functools.partial(_compile_graph, forward=True),  # and inference graphs
     bw_compiler=_compile_graph,
     decompositions=_decompositions(),
 )
