@@ -40,7 +40,7 @@ from torchtpu.compile.segments import Segmented, reads_values
 from torchtpu.dispatch import backward_errors, defer, modes, nested
 from torchtpu.interop import functions as jax_functions
 from torchtpu.observe import metrics
-from torchtpu.runtime import jax
+from torchtpu.runtime import array_type, jax
 
 aten = torch.ops.aten
 
@@ -133,18 +133,13 @@ def _dead_written_back(written: list, arrays: list) -> tuple:
         DeferAndFuse the graph joins a chunk, which donates dead inputs itself (Note
         [Donating dead inputs] in defer.py). Each set of donated inputs is a program
         of its own; in a loop that is one."""
-    array = _array_type()
+    array = array_type()
     dead = []
     for i in written:
         a = arrays[i]
         if type(a) is array and sys.getrefcount(a) <= _HELD_ONLY_BY_ITS_TENSOR:
             dead.append(i)
     return tuple(dead)
-
-
-@functools.cache
-def _array_type() -> type:
-    return type(jax().numpy.zeros(()))
 
 
 def _compile_graph(gm: torch.fx.GraphModule, example_inputs, forward: bool = False):

@@ -24,7 +24,6 @@ Note [Live outputs]
 from __future__ import annotations
 
 import contextlib
-import functools
 import itertools
 import sys
 import threading
@@ -41,7 +40,7 @@ from torchtpu.dispatch.pending import Pending
 from torchtpu.dispatch.scalars import as_array
 from torchtpu.observe import metrics, perf_warnings
 from torchtpu.observe.locations import user_frame
-from torchtpu.runtime import jax
+from torchtpu.runtime import array_type, jax
 from torchtpu.tensor import backward_on_calling_thread
 
 
@@ -569,12 +568,6 @@ def _run_one(q: _Queue, reason: str, where: str | None) -> None:
 _HELD_ONLY_BY_THE_QUEUE = 3
 
 
-@functools.cache
-def _array_type() -> type:
-    """The type of JAX's concrete arrays (``jax.Array`` is an abstract class)."""
-    return type(jax().numpy.zeros(()))
-
-
 def _donation(externals: list, replaced_by: dict, live: list, live_pendings: list):
     """The external arrays the chunk may reuse for its outputs, and the outputs they go
     to: ``(donated positions, indices into live)``, the outputs in the order JAX needs.
@@ -600,7 +593,7 @@ def _donation(externals: list, replaced_by: dict, live: list, live_pendings: lis
         donation takes, latest op first; and the chunk lists these outputs first, in
         the order of their inputs. Only arrays with an output to go to are donated.
     """
-    array = _array_type()
+    array = array_type()
     position_in_live = None
     pairs = []  # (external position, index into live)
     taken = set()

@@ -9,7 +9,6 @@ wrapped from metadata the plan computed once.
 
 from __future__ import annotations
 
-import functools
 import sys
 import time
 
@@ -34,7 +33,7 @@ from torchtpu.dispatch.values import (
 )
 from torchtpu.observe import metrics, perf_warnings
 from torchtpu.observe.locations import add_context, user_frame
-from torchtpu.runtime import current_index, jax, policy
+from torchtpu.runtime import array_type, current_index, jax, policy
 from torchtpu.storage import Storage
 from torchtpu.tensor import TPUTensor, tpu_device
 
@@ -274,7 +273,7 @@ def _dead_written(plan: Plan, args: list) -> tuple:
         has its old base's shape and dtype, so XLA always finds the buffer a use.
         A plan compiles a donating variant per set of donated positions (_donating):
         in a loop the same arrays are dead each time, so that is one program."""
-    array = _array_type()
+    array = array_type()
     dead = []
     for position in plan.written_arrays:
         if position is not None:
@@ -300,12 +299,6 @@ def _donating(plan: Plan, donated: tuple, args: list):
             metrics.count("compile_seconds", "op", time.perf_counter() - start)
             return flat
     return call(*args)
-
-
-@functools.cache
-def _array_type() -> type:
-    """The type of JAX's concrete arrays (``jax.Array`` is an abstract class)."""
-    return type(jax().numpy.zeros(()))
 
 
 def _record(plan: Plan, call, device: int):

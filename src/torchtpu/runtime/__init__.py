@@ -2,6 +2,7 @@
 host and it (transfer.py). Nothing here imports JAX at import time."""
 
 from torchtpu.runtime.backend import (
+    array_type,
     current_index,
     device,
     device_name,
@@ -14,6 +15,7 @@ from torchtpu.runtime.backend import (
 )
 
 __all__ = [
+    "array_type",
     "current_index",
     "device",
     "device_name",

@@ -14,6 +14,13 @@ from torchtpu import config
 
 
 @functools.cache
+@functools.cache
+def array_type() -> type:
+    """The type of JAX's concrete arrays (``jax.Array`` is an abstract class): what a
+    buffer donation may take, where a Pending or a tracer may not."""
+    return type(jax().numpy.zeros(()))
+
+
 def jax():
     """Import and configure JAX (x64 on, CPU async dispatch and the persistent
     compilation cache per config); return the module."""
