@@ -202,6 +202,26 @@ def higher_order_ops_pass_the_aliasing_check(*ops) -> None:
             op.py_impl(mode)(lambda _mode, *args, _op=op, **kwargs: _op(*args, **kwargs))
 
 
+def aot_inputs_overwritten() -> tuple[int, list] | None:
+    """For the graph AOTAutograd is compiling now: (its number of inputs, the (input,
+    output) positions of each input its epilogue overwrites with that output after
+    every call), or None where torch does not say. torch 2.11-2.15 keep it in
+    ``TracingContext.fw_metadata`` (a ``ViewAndMutationMeta``): the inputs in
+    ``mutated_inp_runtime_indices`` get the graph's first outputs, in that order; one
+    whose data, not only its metadata, is written gets a plain copy."""
+    context = torch._guards.TracingContext.try_get()
+    meta = getattr(context, "fw_metadata", None)
+    indices = getattr(meta, "mutated_inp_runtime_indices", None)
+    if indices is None:
+        return None
+    pairs = [
+        (i, k)
+        for k, i in enumerate(indices)
+        if meta.input_info[i].mutates_data and not meta.input_info[i].mutates_metadata
+    ]
+    return len(meta.input_info), pairs
+
+
 # -- JAX -------------------------------------------------------------------------------
 # JAX's internals torchtpu reads, each behind one function here (checked: JAX 0.10.x;
 # pyproject.toml pins that range). Nothing here imports JAX at module level: ``import

@@ -86,30 +86,26 @@ def _graph_program(gm: torch.fx.GraphModule, donate: tuple = ()) -> Program:
     return Program(trace_graph, "graph", donate)
 
 
-def _written_back(gm: torch.fx.GraphModule, example_inputs) -> tuple:
+def _written_back(gm: torch.fx.GraphModule, example_inputs) -> frozenset:
     """The graph inputs that AOTAutograd overwrites with a graph output after each call
     (an optimizer's parameters and moments, BatchNorm's running statistics): their
-    positions, from AOTAutograd's metadata of the graph being compiled, each checked
-    against the output that replaces it (the first outputs, in order)."""
-    context = torch._guards.TracingContext.try_get()
-    meta = getattr(context, "fw_metadata", None)
-    if meta is None or len(meta.input_info) != len(example_inputs):
-        return ()
+    positions, from AOTAutograd's metadata of the graph being compiled (_compat), each
+    checked against the output that replaces it."""
+    overwritten = _compat.aot_inputs_overwritten()
+    if overwritten is None or overwritten[0] != len(example_inputs):
+        return frozenset()
     outputs = _output_values(gm)
-    written = []
-    for k, i in enumerate(meta.mutated_inp_runtime_indices):
-        info, example = meta.input_info[i], example_inputs[i]
-        out = outputs[k] if k < len(outputs) else None
+    written = set()
+    for i, k in overwritten[1]:
+        example, out = example_inputs[i], outputs[k] if k < len(outputs) else None
         if (
-            info.mutates_data
-            and not info.mutates_metadata
-            and isinstance(example, torch.Tensor)
+            isinstance(example, torch.Tensor)
             and isinstance(out, torch.Tensor)
             and example.shape == out.shape
             and example.dtype == out.dtype
         ):
-            written.append(i)
-    return tuple(written)
+            written.add(i)
+    return frozenset(written)
 
 
 # sys.getrefcount, in `_dead_written_back`, of an input array that only its tensor holds:
@@ -147,7 +143,9 @@ def _compile_graph(gm: torch.fx.GraphModule, example_inputs, forward: bool = Fal
     # Note [Values read inside a compiled graph]
     program = Segmented(gm, _graph_program) if reads_values(gm) else _graph_program(gm)
     # Note [Compiled graphs reuse the inputs they overwrite]
-    written = _written_back(gm, example_inputs) if forward and type(program) is Program else ()
+    written = (
+        _written_back(gm, example_inputs) if forward and type(program) is Program else ()
+    )
     donating: dict = {(): program}
 
     def run(args: list):

@@ -251,9 +251,9 @@ def _call(plan: Plan, args, device: int, donated: tuple = ()):
 
 
 # sys.getrefcount of a written array that only its storage holds, as `_dead_written`
-# sees it: the Storage, the call's array list, `_execute`'s argument list, and
-# getrefcount's own argument.
-_HELD_ONLY_BY_ITS_STORAGE = 4
+# sees it: the Storage, the call's array list, `_execute`'s argument list, the loop's
+# variable and getrefcount's own argument.
+_HELD_ONLY_BY_ITS_STORAGE = 5
 
 
 def _dead_written(plan: Plan, args: list) -> tuple:
@@ -278,8 +278,8 @@ def _dead_written(plan: Plan, args: list) -> tuple:
     for position in plan.written_arrays:
         if position is not None:
             a = args[position]
-            if type(a) is array and sys.getrefcount(a) <= _HELD_ONLY_BY_ITS_STORAGE + 1:
-                dead.append(position)  # (+1: the loop's own variable)
+            if type(a) is array and sys.getrefcount(a) <= _HELD_ONLY_BY_ITS_STORAGE:
+                dead.append(position)
     return tuple(dead)
 
 
