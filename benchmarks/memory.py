@@ -11,11 +11,13 @@ Two figures per cell:
 
 - peak RSS growth: the process's peak resident memory (VmHWM, reset before the first
   step through /proc/self/clear_refs) minus its resident memory then, in units of P,
-  the parameters' bytes. On JAX's CPU backend device arrays live in the process, so
+  the parameters' bytes ("-" where VmHWM cannot be reset and the steps stayed below
+  the peak before them). On JAX's CPU backend device arrays live in the process, so
   this is the figure to compare with torch's; it includes what XLA's compiler holds
   while it compiles, which matters for small P (use the issue's sizes).
 - device peak: JAX's ``peak_bytes_in_use`` of the device where the backend reports it
   (TPU, GPU), minus the bytes in use before the first step; "-" on the CPU backend.
+  The last column divides it by torch CPU's peak growth: the chip's figure for #33.
 
 Workloads: an MLP of 6 linear layers (width 4096: 101M parameters, P = 384 MiB) with
 AdamW at batch 64; a GPT (benchmarks/gpt.py's, 4 layers, d 512, 8x256 tokens,
@@ -103,12 +105,16 @@ elif path == "jit":
     step = torchtpu.jit(step)
 params = sum(p.numel() * p.element_size() for p in model.parameters())
 import gc; gc.collect()
-with open("/proc/self/clear_refs", "w") as f:
-    f.write("5")  # resets VmHWM to the current resident size
-before, device_before = rss("VmRSS:"), device_bytes("bytes_in_use")
+try:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets VmHWM to the current resident size
+except OSError:
+    pass  # not allowed on some machines (the TPU VM's): the peak is known only if exceeded
+before, peak_before, device_before = rss("VmRSS:"), rss("VmHWM:"), device_bytes("bytes_in_use")
 for _ in range(steps):
     step().item()
-growth = rss("VmHWM:") - before
+peak = rss("VmHWM:")
+growth = peak - before if peak > peak_before or peak_before == before else None
 device_peak = device_bytes("peak_bytes_in_use")
 print(json.dumps({{
     "params": params, "growth": growth,
@@ -137,8 +143,9 @@ def main():
     args = parser.parse_args()
     print(f"`{' '.join(['python', *sys.argv])}`: peak growth over {args.steps} steps, in P\n")
     print("| workload | P | " + " | ".join(PATHS) + " | " + " | ".join(
-        f"{p}/cpu" for p in PATHS[1:]) + " | device peak (" + ", ".join(PATHS[1:]) + ") |")  # fmt: skip
-    print("|---" * (3 + 2 * (len(PATHS) - 1)) + "|---|")
+        f"{p}/cpu" for p in PATHS[1:]) + " | device peak (" + ", ".join(PATHS[1:])
+        + ") | device peak / cpu growth |")  # fmt: skip
+    print("|---" * (3 + 2 * (len(PATHS) - 1)) + "|---|---|")
     for workload in WORKLOADS:
         if args.only not in workload:
             continue
@@ -154,15 +161,19 @@ def main():
             return "-" if c.get(key) is None else f"{c[key] / params:.2f} P"
 
         base = cells["cpu"].get("growth")
-        ratios = [
-            f"{c['growth'] / base:.2f}" if "growth" in c and base else "-"
-            for c in (cells[p] for p in PATHS[1:])
-        ]
+
+        def ratios(key, cells=cells, base=base):
+            return [
+                f"{c[key] / base:.2f}" if c.get(key) is not None and base else "-"
+                for c in (cells[p] for p in PATHS[1:])
+            ]
+
         print(
             f"| {workload} | {params / 2**20:.0f} MiB | "
             + " | ".join(units(cells[p]) for p in PATHS)
-            + " | " + " | ".join(ratios) + " | "
-            + ", ".join(units(cells[p], "device") for p in PATHS[1:]) + " |",
+            + " | " + " | ".join(ratios("growth")) + " | "
+            + ", ".join(units(cells[p], "device") for p in PATHS[1:]) + " | "
+            + ", ".join(ratios("device")) + " |",
             flush=True,
         )  # fmt: skip
 

@@ -1616,8 +1616,14 @@ def test_grouped_mm(fn, args):
     [
         (torch.randn(1000, generator=torch.Generator().manual_seed(0)), {}),
         (torch.randn(1000, generator=torch.Generator().manual_seed(0)) * 1e20, {"bins": 13}),
-        (torch.randn(300, generator=torch.Generator().manual_seed(1)), {"bins": 10, "min": -1, "max": 1}),
-        (torch.randn(300, generator=torch.Generator().manual_seed(1)), {"bins": 5, "min": 0.3, "max": 0.3}),
+        (
+            torch.randn(300, generator=torch.Generator().manual_seed(1)),
+            {"bins": 10, "min": -1, "max": 1},
+        ),
+        (
+            torch.randn(300, generator=torch.Generator().manual_seed(1)),
+            {"bins": 5, "min": 0.3, "max": 0.3},
+        ),
         (torch.tensor([1.0, 1.0, 1.0]), {"bins": 4}),
         (torch.tensor([0.0, 1.0, float("nan"), 2.0, 3.0]), {"bins": 3, "min": 0, "max": 3}),
         (torch.linspace(0, 1, 101), {"bins": 10, "min": 0, "max": 1}),
@@ -1981,3 +1987,15 @@ def test_antialiased_bicubic_float_and_its_gradient():
         torch.randn(1, 2, 9, 7),
         grad=(0,),
     )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_hash_tensor_of_16_and_32_bit_floats_widens_their_bits_as_the_cpu_does(dtype):
+    # built with integer ops on tpu (a TPU's emulated float64 changed them): zeros of both
+    # signs, subnormals, the extremes, infinities and NaN
+    values = [0.0, -0.0, 1.0, -2.5, 1e-45, -3e-39, 1.17e-38, 3.4e38, 6e-8, 65504.0]
+    x = torch.tensor(values + [math.inf, -math.inf, math.nan], dtype=torch.float32).to(dtype)
+    x = torch.cat([x, torch.randn(1001).to(dtype)])
+    assert_same(torch.hash_tensor(tpu(x)), torch.hash_tensor(x))
+    rows = x.reshape(-1, 13)
+    assert_same(torch.hash_tensor(tpu(rows), dim=1), torch.hash_tensor(rows, dim=1))

@@ -64,3 +64,52 @@ def test_an_entry_is_stale_only_if_none_of_its_cases_needed_it():
     assert report._stale_entries([result("op", "not needed"), result("method", "")]) == {}
     stale = report._stale_entries([result("op", "not needed"), result("method", "not needed")])
     assert stale == {key: "not needed"}
+
+
+def test_float32_products_traced_below_highest_precision_are_recorded():
+    import jax
+    import jax.numpy as jnp
+
+    from torchtpu.conformance import products
+
+    a = jnp.ones((4, 4), jnp.float32)
+    image, kernel = jnp.ones((1, 1, 5, 5), jnp.float32), jnp.ones((1, 1, 3, 3), jnp.float32)
+    with products.watch() as found:
+        jax.jit(lambda x: x @ x)(a)
+        jax.jit(lambda x: jax.lax.conv(x, kernel, (1, 1), "VALID"))(image)
+        jax.jit(lambda x: jnp.matmul(x, x, precision=jax.lax.Precision.HIGHEST))(a)
+        jax.jit(lambda x: x @ x)(a.astype(jnp.bfloat16))  # not float32: one pass is right
+    assert [f.split("(")[0] for f in found] == ["dot_general", "conv_general_dilated"]
+    with products.watch() as found:
+        jax.jit(lambda x: x @ x * 2)(a)  # watching ends with the block
+    assert len(found) == 1 and "float32[4,4]" in found[0]
+
+
+def test_a_lowering_whose_float32_product_ignores_the_precision_is_a_mismatch(monkeypatch):
+    import jax
+    import jax.numpy as jnp
+
+    from torchtpu.dispatch import plans
+    from torchtpu.ops import linalg_solvers
+
+    # linalg.pinv as it was before the v5e showed it 3e-3 off: the product at XLA's default
+    class DefaultPrecision:
+        def __getattr__(self, name):
+            return getattr(jnp, name)
+
+        @staticmethod
+        def matmul(a, b, precision=None):
+            return jnp.matmul(a, b)
+
+    monkeypatch.setattr(linalg_solvers, "jnp", DefaultPrecision())
+    case = harness.Case("linalg.pinv.hermitian", "op", torch.float32, "forward", "strict")
+    plans._PLANS.clear()  # programs traced before would hide the lowering's products
+    try:
+        result = harness.run(case, max_samples=2)
+    finally:
+        plans._PLANS.clear()  # nor may the shim's programs outlive the test
+    # a TPU computes the product in one bfloat16 pass: the values are 3e-3 off there;
+    # on the CPU they are right and the watch on the products says what the chip would do
+    assert result.outcome == "mismatch"
+    if jax.default_backend() == "cpu":
+        assert "below float32 precision" in result.detail

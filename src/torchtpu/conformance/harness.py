@@ -26,6 +26,8 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
 import torchtpu
+from torchtpu import matmul_precision
+from torchtpu.conformance import products
 from torchtpu.dispatch import checks
 from torchtpu.observe import compare
 
@@ -42,6 +44,8 @@ CHECKS = ("forward", "grad", "errors")
 # Positional arguments torch requires on the CPU whatever the device (as the samples
 # make them): they are not moved to tpu.
 HOST_ARGS = {"tensor_split": 0}
+
+_HIGHEST = matmul_precision.Precision.HIGHEST
 
 
 @functools.cache
@@ -319,7 +323,11 @@ def run(case: Case, tolerance=(None, None), max_samples: int | None = None) -> R
     torch.manual_seed(0)
     samples, judged = 0, False
     result = Result(case, "pass")
-    with torchtpu.set_eager_mode(case.mode), warnings.catch_warnings():
+    with (
+        torchtpu.set_eager_mode(case.mode),
+        warnings.catch_warnings(),
+        products.watch() as below_float32,
+    ):
         warnings.simplefilter("ignore")
         try:
             if case.check == "errors":
@@ -357,6 +365,9 @@ def run(case: Case, tolerance=(None, None), max_samples: int | None = None) -> R
             )
         finally:
             checks._pending.clear()
+    if below_float32 and result.outcome == "pass" and matmul_precision.current() is _HIGHEST:
+        # right on the CPU, one bfloat16 pass on a TPU (products.py)
+        result = Result(case, "mismatch", f"traced below float32 precision: {below_float32[0]}")
     result.samples = samples
     result.fallbacks = tuple(sorted(torchtpu.metrics().get("fallback", {})))
     result.routes = tuple(sorted(torchtpu.metrics().get("host_ops", {})))

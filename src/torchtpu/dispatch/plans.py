@@ -402,15 +402,18 @@ def _run_dynamic(entry: Entry, values: list):
     args = [concrete(v) for v in values]
     kinds = {v.dtype for v in values if isinstance(v, TPUTensor)}
     rule = policy.rule_for_dtypes(kinds) or policy.rule_for_op(op)
+    extra = {}
+    if lowering.precision:
+        extra["precision"] = _precision.lax_precision(_precision.current())
     try:
         if rule is None:
-            result = lowering.fn(*args)
+            result = lowering.fn(*args, **extra)
         else:
             # The platform policy keeps this op off the device (runtime/policy.py): it
             # runs on the host; `wrap` moves results of device dtypes back.
             host.note(op, rule)
             with host.on_host():
-                result = lowering.fn(*host.to_host(args))
+                result = lowering.fn(*host.to_host(args), **extra)
     except Exception as exc:
         raise add_context(exc, op, values) from None
     device = call.device if call.device is not None else _factory_device(info, values)

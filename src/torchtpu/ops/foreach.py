@@ -188,6 +188,6 @@ def _foreach_powsum(self, ord=2, dtype=None):
     return [jnp.sum(jnp.abs(opmath(x)) ** ord) for x in self]
 
 
-@lowers(_compat.op("aten._foreach_mm.default"))
-def _foreach_mm(self, mat2):
-    return [jnp.matmul(a, b) for a, b in zip(self, mat2)]
+@lowers(_compat.op("aten._foreach_mm.default"), precision=True)
+def _foreach_mm(self, mat2, *, precision):
+    return [jnp.matmul(a, b, precision=precision) for a, b in zip(self, mat2)]

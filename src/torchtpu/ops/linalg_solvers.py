@@ -14,6 +14,8 @@ Conventions shared with torch's CPU kernels (LAPACK):
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import jax.scipy.linalg as jsp_linalg
@@ -413,8 +415,8 @@ def linalg_matrix_exp(self):
     return jsp_linalg.expm(self)
 
 
-@lowers(aten.linalg_pinv.atol_rtol_tensor)
-def linalg_pinv_atol_rtol_tensor(self, atol, rtol, hermitian):
+@lowers(aten.linalg_pinv.atol_rtol_tensor, precision=True)
+def linalg_pinv_atol_rtol_tensor(self, atol, rtol, hermitian, *, precision):
     m, n = self.shape[-2:]
     real = jnp.finfo(self.dtype).dtype
     # torch's get_atol_rtol: a given positive atol alone turns the default rtol off.
@@ -436,14 +438,14 @@ def linalg_pinv_atol_rtol_tensor(self, atol, rtol, hermitian):
     threshold = jnp.maximum(atol[..., None], rtol[..., None] * largest)
     kept = magnitudes > threshold
     inverted = jnp.where(kept, 1 / jnp.where(kept, values, 1), 0).astype(self.dtype)
-    return _mH(right) @ (inverted[..., :, None] * _mH(left))
+    return jnp.matmul(_mH(right), inverted[..., :, None] * _mH(left), precision=precision)
 
 
 _LSTSQ_DRIVERS = ("gels", "gelsy", "gelsd", "gelss")
 
 
-@lowers(aten.linalg_lstsq.default, dynamic_shape=True)
-def linalg_lstsq(self, b, rcond, driver):
+@lowers(aten.linalg_lstsq.default, dynamic_shape=True, precision=True)
+def linalg_lstsq(self, b, rcond, driver, *, precision):
     """Every driver's solution is the minimum-norm least-squares one (gels assumes full
     rank, where it is the same): computed from the SVD. The drivers differ in which of
     residuals, rank and singular values they report."""
@@ -463,13 +465,14 @@ def linalg_lstsq(self, b, rcond, driver):
     rcond = jnp.finfo(real).eps * max(m, n) if rcond is None or rcond < 0 else rcond
     kept = s > rcond * jnp.max(s, -1, keepdims=True, initial=0)
     s_inverse = jnp.where(kept, 1 / jnp.where(kept, s, 1), 0).astype(self.dtype)
-    solution = _mH(vh) @ (s_inverse[..., :, None] * (_mH(u) @ rhs))
+    product = functools.partial(jnp.matmul, precision=precision)
+    solution = product(_mH(vh), s_inverse[..., :, None] * product(_mH(u), rhs))
     rank = jnp.sum(kept, -1).astype(jnp.int64)
 
     empty = jnp.zeros((0,), real)
     residuals = empty
     if m > n and driver != "gelsy" and (driver == "gels" or bool(jnp.all(rank == n))):
-        residuals = jnp.sum(jnp.abs(rhs - a @ solution) ** 2, -2).astype(real)
+        residuals = jnp.sum(jnp.abs(rhs - product(a, solution)) ** 2, -2).astype(real)
         if vector_case:
             residuals = residuals[..., 0]
     if vector_case:

@@ -253,12 +253,36 @@ def hash_tensor(self, dim=(), keepdim=False, mode=0):
         _require_elements(self, "hash_tensor")
     for axis in _axes(self, dim) or ():
         _require_dim_elements(self, axis, "hash_tensor")
-    if jnp.issubdtype(self.dtype, jnp.floating):
-        wide = self.astype(jnp.float64)
+    if self.dtype == jnp.float64:
+        bits = lax.bitcast_convert_type(self, jnp.uint64)
+    elif jnp.issubdtype(self.dtype, jnp.floating):
+        bits = _float64_bits(self.astype(jnp.float32))
     else:
         wide = self.astype(jnp.uint64 if self.dtype == jnp.uint64 else jnp.int64)
-    bits = lax.bitcast_convert_type(wide, jnp.uint64)
+        bits = lax.bitcast_convert_type(wide, jnp.uint64)
     return jnp.bitwise_xor.reduce(bits, axis=_axes(self, dim), keepdims=keepdim)
+
+
+def _float64_bits(x):
+    """The bits of float32 ``x`` widened to float64, built with integer ops: a TPU has no
+    float64, and its emulated float64 does not keep these bits (it differed on a v5e)."""
+    u64 = jnp.uint64
+    b = lax.bitcast_convert_type(x, jnp.uint32)
+    sign = (b >> 31).astype(u64) << 63
+    exponent = (b >> 23) & 0xFF
+    mantissa = b & 0x7FFFFF
+    # a normal number: rebias the exponent (1023 - 127) and widen the mantissa
+    normal = ((exponent.astype(u64) + 896) << 52) | (mantissa.astype(u64) << 29)
+    # a subnormal one (exponent 0) is normal as a float64: its top set bit p becomes
+    # the implicit 1, and the exponent 2**(p - 149) is biased by 1023
+    top = 31 - lax.clz(mantissa)
+    shifted = (mantissa.astype(u64) << (52 - top).astype(u64)) & ((1 << 52) - 1)
+    subnormal = jnp.where(mantissa == 0, u64(0), ((top + 874).astype(u64) << 52) | shifted)
+    # infinity and NaN: the largest exponent; a NaN comes out quiet, as the CPU's does
+    quiet = jnp.where(mantissa == 0, u64(0), u64(1 << 51))
+    special = (u64(2047) << 52) | (mantissa.astype(u64) << 29) | quiet
+    bits = jnp.where(exponent == 0, subnormal, jnp.where(exponent == 255, special, normal))
+    return sign | bits
 
 
 @lowers(aten.linalg_vector_norm.default, static=("ord",))
