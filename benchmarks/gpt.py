@@ -14,7 +14,8 @@ the forward under ``torch.autocast("tpu", dtype=torch.bfloat16)``, the torch idi
 residual stream in float32).
 Paths: Strict and DeferAndFuse eager, ``torch.compile(step, backend="tpu")`` of the
 whole step (forward, backward, ``opt.step()``), ``torchtpu.jit(step)``, and the same
-model and AdamW written in JAX under one ``jax.jit`` with donated state (the floor).
+model and AdamW written in JAX under one ``jax.jit`` with donated state (the floor; its
+attention is the one torchtpu picks: JAX's Pallas flash kernels on a TPU where they apply).
 
 Per path: the first step (tracing and compiling; two calls for torchtpu.jit, whose
 first call runs eagerly; in one process, so a later path reuses the eager ops'
@@ -126,6 +127,24 @@ def jax_step(args):
         y = low(x) @ low(p[f"{name}.weight"]).T
         return y + low(p[f"{name}.bias"]) if f"{name}.bias" in p else y
 
+    # The attention torchtpu's SDPA picks (ops/flash_attention.py): JAX's Pallas flash
+    # kernels on a TPU for bfloat16 and lengths multiples of 128, else XLA's dense one.
+    flash = (
+        jax.default_backend() == "tpu"
+        and (args.autocast or dtype == jnp.bfloat16)
+        and args.seq % 128 == 0
+    )
+
+    def attention(q, k, v):  # [batch, length, heads, head size]
+        if not flash:
+            return jax.nn.dot_product_attention(q, k, v, is_causal=True)
+        from jax.experimental.pallas.ops.tpu.flash_attention import flash_attention
+
+        heads_first = [z.transpose(0, 2, 1, 3) for z in (q, k, v)]
+        with jax.enable_x64(False):  # Note [Pallas kernels trace in 32 bits]
+            out = flash_attention(*heads_first, causal=True, sm_scale=(d // h) ** -0.5)
+        return out.transpose(0, 2, 1, 3)
+
     def loss_fn(p):
         inputs, labels = tokens[:, :-1], tokens[:, 1:]
         b, t = inputs.shape
@@ -134,7 +153,7 @@ def jax_step(args):
             n = f"blocks.{i}"
             q, k, v = jnp.split(linear(layer_norm(x, p, f"{n}.ln1"), p, f"{n}.qkv"), 3, axis=-1)
             q, k, v = (z.reshape(b, t, h, d // h) for z in (q, k, v))
-            a = jax.nn.dot_product_attention(q, k, v, is_causal=True).reshape(b, t, d)
+            a = attention(q, k, v).reshape(b, t, d)
             x = x + linear(a, p, f"{n}.proj").astype(x.dtype)
             m = jax.nn.gelu(linear(layer_norm(x, p, f"{n}.ln2"), p, f"{n}.fc1"), approximate=False)
             x = x + linear(m, p, f"{n}.fc2").astype(x.dtype)

@@ -121,6 +121,11 @@ distributed_liveness_timeout: float = float(os.environ.get("TORCHTPU_DIST_LIVENE
 #: ``sys.path`` on purpose: with libtpu importable, JAX tries to start a TPU backend.
 libtpu_dir: str | None = os.environ.get("TORCHTPU_LIBTPU_DIR") or None
 
+#: scaled_dot_product_attention by JAX's Pallas flash kernels (ops/flash_attention.py):
+#: "auto" on a TPU where the inputs allow, "on" on any backend (interpreted off a TPU:
+#: for tests), "off" never. Read when an op's program is built.
+flash_attention: str = os.environ.get("TORCHTPU_FLASH_ATTENTION", "auto").strip().lower()
+
 #: Which platform policy decides what the device's compiler is given (runtime/policy.py):
 #: "auto" (the device's own: on a TPU, float64 and complex128 are kept and computed on
 #: the host), "tpu" (the TPU's, on any backend: for tests on the CPU), "none".

@@ -18,8 +18,9 @@ AutogradPrivateUse1 kernel, device.py ``_scaled_dot_product_attention``) calls
 
 Dropout (``dropout_p > 0``) and a mask that requires a gradient take torch's math path.
 float32 inputs follow torch's float32 matmul precision (matmul_precision.py). The
-scores are still materialised inside the op's program; a Pallas flash kernel on a TPU
-would not.
+scores are materialised inside the op's program, except where JAX's Pallas flash
+kernels take the call (on a TPU: bfloat16, no mask, lengths multiples of 128;
+ops/flash_attention.py).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import torch
 
+from torchtpu.ops import flash_attention
 from torchtpu.ops.registry import lowers
 
 _library = torch.library.Library("torchtpu_nn", "DEF")
@@ -119,6 +121,8 @@ def _product(a, b, spec, precision, dtype):
 @lowers(attention_op, static=("is_causal", "scale", "enable_gqa"), precision=True)
 def _attention(query, key, value, attn_mask, is_causal, scale, enable_gqa, *, precision):
     key, value, _ = _grouped(query, key, value, enable_gqa)
+    if flash_attention.applies(query, key, value, attn_mask):
+        return flash_attention.forward(query, key, value, is_causal, scale)
     weights = _weights(query, key, attn_mask, is_causal, scale, precision)
     return _product(weights, value, "...ls,...sd->...ld", precision, value.dtype).astype(
         query.dtype
@@ -135,15 +139,20 @@ def _attention_backward(
     of)."""
     dtype = query.dtype
     grouped_key, grouped_value, repeats = _grouped(query, key, value, enable_gqa)
-    weights = _weights(query, grouped_key, attn_mask, is_causal, scale, precision)
-    out = _product(weights, grouped_value, "...ls,...sd->...ld", precision, dtype)
-    grad_value = _product(weights, grad_out, "...ls,...ld->...sd", precision, dtype)
-    grad_weights = _product(grad_out, grouped_value, "...ld,...sd->...ls", precision, dtype)
-    work = _working(dtype)
-    row = jnp.sum(grad_out.astype(work) * out.astype(dtype).astype(work), -1)
-    grad_scores = weights * (grad_weights - row[..., None]) * work.type(scale)
-    grad_query = _product(grad_scores, grouped_key, "...ls,...sd->...ld", precision, dtype)
-    grad_key = _product(grad_scores, query, "...ls,...ld->...sd", precision, dtype)
+    if flash_attention.applies(query, grouped_key, grouped_value, attn_mask):
+        grad_query, grad_key, grad_value = flash_attention.backward(
+            grad_out, query, grouped_key, grouped_value, is_causal, scale
+        )
+    else:
+        weights = _weights(query, grouped_key, attn_mask, is_causal, scale, precision)
+        out = _product(weights, grouped_value, "...ls,...sd->...ld", precision, dtype)
+        grad_value = _product(weights, grad_out, "...ls,...ld->...sd", precision, dtype)
+        grad_weights = _product(grad_out, grouped_value, "...ld,...sd->...ls", precision, dtype)
+        work = _working(dtype)
+        row = jnp.sum(grad_out.astype(work) * out.astype(dtype).astype(work), -1)
+        grad_scores = weights * (grad_weights - row[..., None]) * work.type(scale)
+        grad_query = _product(grad_scores, grouped_key, "...ls,...sd->...ld", precision, dtype)
+        grad_key = _product(grad_scores, query, "...ls,...ld->...sd", precision, dtype)
     if repeats > 1:  # each key head served `repeats` query heads: their gradients add up
         grad_key, grad_value = (
             g.reshape(*g.shape[:-3], key.shape[-3], repeats, *g.shape[-2:]).sum(-3)

@@ -104,6 +104,7 @@ class Policy(NamedTuple):
     rules: tuple
     host_ops: dict = {}
     prng_impl: str | None = None
+    flash_attention: bool = False  # JAX's Pallas flash kernels run here (ops/flash_attention.py)
 
 
 # Note [Random bits on TPU]
@@ -123,6 +124,7 @@ POLICIES = {
         (COMPLEX128, FLOAT64_INSIDE, INT64_MATMUL, SVD, EIG),
         {"aten.linalg_lstsq.default": SVD},
         prng_impl="rbg",
+        flash_attention=True,
     ),
     "gpu": Policy(frozenset(), (EIG,)),
 }
@@ -152,6 +154,11 @@ def active() -> bool:
 def prng_impl() -> str | None:
     """The JAX PRNG implementation random ops use here (Note [Random bits on TPU])."""
     return _current().prng_impl
+
+
+def flash_attention() -> bool:
+    """Whether scaled_dot_product_attention may run JAX's Pallas flash kernels here."""
+    return _current().flash_attention
 
 
 def host_dtypes() -> frozenset:

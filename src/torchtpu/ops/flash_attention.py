@@ -1,0 +1,98 @@
+"""Attention by JAX's Pallas flash kernels on a TPU, where the inputs allow.
+
+``scaled_dot_product_attention``'s lowering (ops/attention.py) materialises the
+[B, H, L, S] scores inside its program. On a TPU, JAX ships FlashAttention as Pallas
+kernels (``jax.experimental.pallas.ops.tpu.flash_attention``: forward, and a backward
+that recomputes the weights block by block), which never hold more than a block of
+scores. ``applies`` says whether a call can take them; ``forward`` and ``backward`` run
+them.
+
+What the kernels take (anything else stays on the dense lowering, and
+``torchtpu.metrics()["attention"]`` counts each program's choice with its reason):
+
+- bfloat16 q, k and v of rank 4 [B, H, L, E] with one head size E: the kernels multiply
+  in the inputs' dtype at the default precision, which for float32 inputs on a TPU is
+  one bfloat16 pass (torch's float32 precision setting could not be honoured);
+- no ``attn_mask`` (the kernels take an additive bias of the full [B, H, L, S], which
+  would be the dense memory again); ``is_causal`` is theirs (top-left aligned, as
+  torch's: a query at row i sees keys 0..i);
+- L and S multiples of 128, the kernels' block.
+
+``enable_gqa`` repeats the key and value heads first, as the dense lowering does.
+
+``config.flash_attention``: "auto" takes the kernels on a TPU (runtime/policy.py says
+which platforms have them); "on" takes them on any backend, in Pallas's interpret mode
+off a TPU (how the tests check them on the CPU: slow); "off" never. The choice is made
+when an op's program is built.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from torchtpu import config
+from torchtpu.observe import metrics
+from torchtpu.runtime import platform, policy
+
+BLOCK = 128  # the kernels' default block of queries and keys
+
+
+def applies(query, key, value, attn_mask) -> bool:
+    """Whether this call takes the flash kernels; counts the choice and its reason."""
+    reason = _why_not(query, key, value, attn_mask)
+    metrics.count("attention", "flash" if reason is None else f"dense: {reason}")
+    return reason is None
+
+
+def _why_not(query, key, value, attn_mask) -> str | None:
+    if config.flash_attention == "off":
+        return "config.flash_attention is 'off'"
+    if config.flash_attention != "on" and not (policy.flash_attention() and platform() == "tpu"):
+        return "no Pallas flash kernel on this platform"
+    if any(t.dtype != jnp.bfloat16 for t in (query, key, value)):
+        return "not bfloat16"
+    if attn_mask is not None:
+        return "an attn_mask"
+    if query.ndim != 4 or key.ndim != 4 or value.ndim != 4:
+        return "not [batch, heads, length, head size]"
+    if not query.shape[-1] == key.shape[-1] == value.shape[-1]:
+        return "value's head size differs"
+    if query.shape[-2] % BLOCK or key.shape[-2] % BLOCK:
+        return f"a length not a multiple of {BLOCK}"
+    return None
+
+
+@contextlib.contextmanager
+def _kernels():
+    """Where the kernels trace: in 32 bits (Note [Pallas kernels trace in 32 bits],
+    interop/pallas.py), and interpreted off a TPU."""
+    from jax.experimental.pallas import tpu as pltpu
+
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(jax.enable_x64(False))
+        if platform() != "tpu":
+            stack.enter_context(pltpu.force_tpu_interpret_mode())
+        yield
+
+
+def _flash(is_causal, scale):
+    from jax.experimental.pallas.ops.tpu import flash_attention
+
+    return functools.partial(flash_attention.flash_attention, causal=is_causal, sm_scale=scale)
+
+
+def forward(query, key, value, is_causal, scale):
+    with _kernels():
+        return _flash(is_causal, scale)(query, key, value)
+
+
+def backward(grad_out, query, key, value, is_causal, scale):
+    """(dq, dk, dv): the kernels' own backward, after a forward that keeps the softmax's
+    row statistics (as the dense lowering's backward recomputes its weights)."""
+    with _kernels():
+        _, pullback = jax.vjp(_flash(is_causal, scale), query, key, value)
+        return pullback(grad_out.astype(query.dtype))
