@@ -48,6 +48,7 @@ import torch.nn.functional as F  # noqa: E402
 import torchtpu  # noqa: E402
 from benchmarks import quiet  # noqa: E402
 from benchmarks.eager_modes import Block, runtime_line  # noqa: E402
+from torchtpu.ops import flash_attention as flash_kernels  # noqa: E402
 
 # First steps compile from scratch: no programs from JAX's persistent cache. (Programs
 # an earlier path of this run compiled stay in the process: later paths' first steps
@@ -130,20 +131,27 @@ def jax_step(args):
     # The attention torchtpu's SDPA picks (ops/flash_attention.py): JAX's Pallas flash
     # kernels on a TPU for bfloat16 and lengths multiples of 128, else XLA's dense one.
     flash = (
-        jax.default_backend() == "tpu"
-        and (args.autocast or dtype == jnp.bfloat16)
-        and args.seq % 128 == 0
-    )
+        torchtpu.config.flash_attention == "on"
+        or (jax.default_backend() == "tpu" and torchtpu.config.flash_attention == "auto")
+    ) and ((args.autocast or dtype == jnp.bfloat16) and args.seq % 128 == 0)
+
+    @jax.custom_vjp
+    def flash_attention(q, k, v):  # [batch, heads, length, head size]
+        return flash_kernels.forward(q, k, v, True, (d // h) ** -0.5)
+
+    def flash_forward(q, k, v):
+        return flash_attention(q, k, v), (q, k, v)
+
+    def flash_backward(saved, grad):
+        return tuple(flash_kernels.backward(grad, *saved, True, (d // h) ** -0.5))
+
+    flash_attention.defvjp(flash_forward, flash_backward)
 
     def attention(q, k, v):  # [batch, length, heads, head size]
         if not flash:
             return jax.nn.dot_product_attention(q, k, v, is_causal=True)
-        from jax.experimental.pallas.ops.tpu.flash_attention import flash_attention
-
         heads_first = [z.transpose(0, 2, 1, 3) for z in (q, k, v)]
-        with jax.enable_x64(False):  # Note [Pallas kernels trace in 32 bits]
-            out = flash_attention(*heads_first, causal=True, sm_scale=(d // h) ** -0.5)
-        return out.transpose(0, 2, 1, 3)
+        return flash_attention(*heads_first).transpose(0, 2, 1, 3)
 
     def loss_fn(p):
         inputs, labels = tokens[:, :-1], tokens[:, 1:]

@@ -16,7 +16,7 @@ What the kernels take (anything else stays on the dense lowering, and
 - no ``attn_mask`` (the kernels take an additive bias of the full [B, H, L, S], which
   would be the dense memory again); ``is_causal`` is theirs (top-left aligned, as
   torch's: a query at row i sees keys 0..i);
-- L and S multiples of 128, the kernels' block.
+- L and S multiples of 128, the kernels' smallest block (``BLOCKS``).
 
 ``enable_gqa`` repeats the key and value heads first, as the dense lowering does.
 
@@ -38,7 +38,11 @@ from torchtpu import config
 from torchtpu.observe import metrics
 from torchtpu.runtime import platform, policy
 
-BLOCK = 128  # the kernels' default block of queries and keys
+BLOCK = 128  # the kernels' smallest block of queries and keys
+# Larger blocks where the lengths allow: on a v5e (B 8, H 12, L 1024, E 64, causal) the
+# kernels' default of 128 took 2.41 ms forward and 8.66 ms forward and backward, against
+# XLA's dense 1.86 and 4.94 ms; blocks of 512 took 1.07 and 3.59 ms.
+BLOCKS = (512, 256, 128)
 
 
 def applies(query, key, value, attn_mask) -> bool:
@@ -79,20 +83,37 @@ def _kernels():
         yield
 
 
-def _flash(is_causal, scale):
+def _flash(query, key, is_causal, scale):
     from jax.experimental.pallas.ops.tpu import flash_attention
 
-    return functools.partial(flash_attention.flash_attention, causal=is_causal, sm_scale=scale)
+    q = next(b for b in BLOCKS if query.shape[-2] % b == 0)
+    k = next(b for b in BLOCKS if key.shape[-2] % b == 0)
+    blocks = flash_attention.BlockSizes(
+        block_q=q,
+        block_k_major=k,
+        block_k=k,
+        block_b=1,
+        block_q_major_dkv=q,
+        block_k_major_dkv=k,
+        block_k_dkv=k,
+        block_q_dkv=q,
+        block_k_major_dq=k,
+        block_k_dq=k,
+        block_q_dq=q,
+    )
+    return functools.partial(
+        flash_attention.flash_attention, causal=is_causal, sm_scale=scale, block_sizes=blocks
+    )
 
 
 def forward(query, key, value, is_causal, scale):
     with _kernels():
-        return _flash(is_causal, scale)(query, key, value)
+        return _flash(query, key, is_causal, scale)(query, key, value)
 
 
 def backward(grad_out, query, key, value, is_causal, scale):
     """(dq, dk, dv): the kernels' own backward, after a forward that keeps the softmax's
     row statistics (as the dense lowering's backward recomputes its weights)."""
     with _kernels():
-        _, pullback = jax.vjp(_flash(is_causal, scale), query, key, value)
+        _, pullback = jax.vjp(_flash(query, key, is_causal, scale), query, key, value)
         return pullback(grad_out.astype(query.dtype))
