@@ -121,6 +121,12 @@ distributed_liveness_timeout: float = float(os.environ.get("TORCHTPU_DIST_LIVENE
 #: ``sys.path`` on purpose: with libtpu importable, JAX tries to start a TPU backend.
 libtpu_dir: str | None = os.environ.get("TORCHTPU_LIBTPU_DIR") or None
 
+#: A line on stderr while XLA compiles for longer than ``compile_progress_after``
+#: seconds between two reads of values (observe/progress.py): a long first step is
+#: never silent.
+compile_progress: bool = _env_flag("TORCHTPU_COMPILE_PROGRESS", True)
+compile_progress_after: float = float(os.environ.get("TORCHTPU_COMPILE_PROGRESS_AFTER", "2"))
+
 #: scaled_dot_product_attention by JAX's Pallas flash kernels (ops/flash_attention.py):
 #: "auto" on a TPU where the inputs allow, "on" on any backend (interpreted off a TPU:
 #: for tests), "off" never. Read when an op's program is built.

@@ -50,7 +50,7 @@ import torch
 from torchtpu import rng, tracing
 from torchtpu.dispatch import checks, defer, modes
 from torchtpu.dispatch.values import materialize
-from torchtpu.observe import metrics
+from torchtpu.observe import metrics, progress
 from torchtpu.observe.locations import user_frame
 from torchtpu.runtime import jax
 from torchtpu.storage import Storage, _contiguous_strides
@@ -119,12 +119,18 @@ class Program:
         traced = self._signatures.get(signature)
         seed, offset = rng.peek(device)
         start = time.perf_counter()
-        try:
-            outputs, flags = self._jitted(static, seed, offset, *arrays)
-        except tracing.NeedsMesh as need:
-            self._over_mesh(need.devices)
-            traced = None
-            outputs, flags = self._jitted(static, seed, offset, *arrays)
+        compiling = (
+            progress.compiling(f"a compiled {self.kind}", user_frame())
+            if traced is None
+            else contextlib.nullcontext()
+        )
+        with compiling:
+            try:
+                outputs, flags = self._jitted(static, seed, offset, *arrays)
+            except tracing.NeedsMesh as need:
+                self._over_mesh(need.devices)
+                traced = None
+                outputs, flags = self._jitted(static, seed, offset, *arrays)
         if traced is None:
             # A new signature: this call traced and compiled (or loaded from JAX's
             # persistent cache) a program. The seconds include its first run.

@@ -38,7 +38,7 @@ from torchtpu import config, tracing
 from torchtpu.dispatch import checks
 from torchtpu.dispatch.pending import Pending
 from torchtpu.dispatch.scalars import as_array
-from torchtpu.observe import metrics, perf_warnings
+from torchtpu.observe import metrics, perf_warnings, progress
 from torchtpu.observe.locations import user_frame
 from torchtpu.runtime import array_type, jax
 from torchtpu.tensor import backward_on_calling_thread
@@ -472,6 +472,11 @@ def _run(q: _Queue, reason: str, needed=()) -> dict:
         )  # fmt: skip
 
     inputs = [as_array(x) for x in q.externals]  # Note [Numbers as arrays]
+    compiling = (
+        progress.compiling(f"a DeferAndFuse chunk of {len(q.plans)} ops", where)
+        if not chunk.compiled
+        else contextlib.nullcontext()
+    )
     try:
         start = time.perf_counter()
         if q.device:
@@ -480,10 +485,11 @@ def _run(q: _Queue, reason: str, needed=()) -> dict:
             with (
                 jax().default_device(jax_device(q.device)),
                 annotate_run(q, reason, where, compiled),
+                compiling,
             ):
                 values, flags = chunk.call(*inputs)
         else:
-            with annotate_run(q, reason, where, compiled):
+            with annotate_run(q, reason, where, compiled), compiling:
                 values, flags = chunk.call(*inputs)
         if not chunk.compiled:
             chunk.compiled = True
@@ -530,6 +536,11 @@ def _run_one(q: _Queue, reason: str, where: str | None) -> None:
         "flush", reason=reason, where=where, ops=1, outputs=sum(p is not None for p in pendings),
         compiled=compiled, failed=False,
     )  # fmt: skip
+    compiling = (
+        progress.compiling(str(plan.op), where or user_frame())
+        if compiled
+        else contextlib.nullcontext()
+    )
     try:
         start = time.perf_counter()
         if q.device:
@@ -538,10 +549,11 @@ def _run_one(q: _Queue, reason: str, where: str | None) -> None:
             with (
                 jax().default_device(jax_device(q.device)),
                 annotate_run(q, reason, where, compiled),
+                compiling,
             ):
                 flat = plan.call(*args)
         else:
-            with annotate_run(q, reason, where, compiled):
+            with annotate_run(q, reason, where, compiled), compiling:
                 flat = plan.call(*args)
         if compiled:
             plan.compiled = True

@@ -31,7 +31,7 @@ from torchtpu.dispatch.values import (
     to_host,
     wrap,
 )
-from torchtpu.observe import metrics, perf_warnings
+from torchtpu.observe import metrics, perf_warnings, progress
 from torchtpu.observe.locations import add_context, user_frame
 from torchtpu.runtime import array_type, current_index, jax, policy
 from torchtpu.storage import Storage
@@ -191,7 +191,8 @@ def _execute(plan: Plan, call, device: int, debug: bool):
         donated = _dead_written(plan, args) if plan.written_arrays and not host_run else ()
         if not plan.compiled:
             start = time.perf_counter()
-            flat = _call(plan, args, device, donated)
+            with progress.compiling(str(plan.op), user_frame()):
+                flat = _call(plan, args, device, donated)
             plan.compiled = True
             _note_fast(plan)
             metrics.count("compiles", "op")
@@ -294,7 +295,8 @@ def _donating(plan: Plan, donated: tuple, args: list):
         )
         if plan.compiled:  # not the plan's first program: counted here
             start = time.perf_counter()
-            flat = call(*args)
+            with progress.compiling(str(plan.op), user_frame()):
+                flat = call(*args)
             metrics.count("compiles", "op")
             metrics.count("compile_seconds", "op", time.perf_counter() - start)
             return flat

@@ -20,6 +20,7 @@ import time
 import warnings
 
 from torchtpu import config
+from torchtpu.observe import progress
 from torchtpu.observe.locations import user_stacklevel
 
 
@@ -48,6 +49,7 @@ _flushes: dict[str, list] = {}
 def note_read() -> None:
     global epoch
     epoch += 1
+    progress.note_read()  # a burst of compiles ends at a read too
 
 
 def note_compile(kind: str, where: str, key, describe_change) -> None:

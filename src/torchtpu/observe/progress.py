@@ -1,0 +1,112 @@
+"""A progress line while XLA compiles: a long first step is never silent.
+
+On a TPU every first call compiles (an op's program, a DeferAndFuse chunk, a compiled
+graph or step), and a first training step can compile for a minute with nothing on the
+screen. Compiles are grouped into *bursts*: from the first compile after a value was
+read (``.item()``, ``.cpu()``, a flush: perf_warnings' clock) to the next read. Once a
+burst has spent ``config.compile_progress_after`` seconds compiling, one line goes to
+stderr, another every ``_EVERY`` seconds while it lasts, and a last one when the next
+value is read::
+
+    torchtpu: compiling XLA programs since Cell In[4], line 3: 37 done in 2.1 s, now aten.mm.default
+    torchtpu: compiled 412 XLA programs in 41.3 s (a new process reuses them: JAX's persistent cache)
+
+A compile releases the GIL, so a watcher thread can speak while one long compile runs;
+the compiling thread speaks too, after each compile, so a burst of short ones is
+reported without waiting for the watcher. ``config.compile_progress = False`` turns it
+off.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import threading
+import time
+
+from torchtpu import config
+
+_EVERY = 10.0  # seconds between two lines of one burst
+_POLL = 0.25  # how often the watcher looks
+
+_lock = threading.Lock()
+# The burst under way: None, or a dict (see _start_burst).
+_burst: dict | None = None
+_watcher: threading.Thread | None = None
+
+
+def _start_burst(where: str) -> dict:
+    return {"where": where, "programs": 0, "seconds": 0.0, "shown_at": None, "current": None}
+
+
+@contextlib.contextmanager
+def compiling(what: str, where: str):
+    """Around one compile of ``what`` (an op, "a DeferAndFuse chunk", ...) from ``where``."""
+    global _burst
+    if not config.compile_progress:
+        yield
+        return
+    _ensure_watcher()
+    with _lock:
+        if _burst is None:
+            _burst = _start_burst(where)
+        _burst["current"] = (what, time.perf_counter())
+    try:
+        yield
+    finally:
+        with _lock:
+            burst = _burst
+            if burst is not None and burst["current"] is not None:
+                burst["seconds"] += time.perf_counter() - burst["current"][1]
+                burst["programs"] += 1
+                burst["current"] = None
+                _maybe_show(burst, what)
+
+
+def note_read() -> None:
+    """A value was read: the burst, if any, ends (with its last line if it showed one)."""
+    global _burst
+    with _lock:
+        burst, _burst = _burst, None
+    if burst is not None and burst["shown_at"] is not None:
+        _say(
+            f"compiled {burst['programs']} XLA program{'s' if burst['programs'] != 1 else ''} "
+            f"in {burst['seconds']:.1f} s (a new process reuses them: JAX's persistent cache)"
+        )
+
+
+def _maybe_show(burst: dict, what: str) -> None:
+    """Under the lock: one line if the burst has compiled long enough and the last
+    line is old enough."""
+    running = burst["current"]
+    seconds = burst["seconds"] + (time.perf_counter() - running[1] if running else 0.0)
+    if seconds < config.compile_progress_after:
+        return
+    now = time.perf_counter()
+    if burst["shown_at"] is not None and now - burst["shown_at"] < _EVERY:
+        return
+    burst["shown_at"] = now
+    _say(
+        f"compiling XLA programs since {burst['where']}: {burst['programs']} done in "
+        f"{seconds:.1f} s, now {what}"
+    )
+
+
+def _say(text: str) -> None:
+    print(f"torchtpu: {text}", file=sys.stderr, flush=True)
+
+
+def _ensure_watcher() -> None:
+    global _watcher
+    if _watcher is None:
+        _watcher = threading.Thread(target=_watch, name="torchtpu-compile-progress", daemon=True)
+        _watcher.start()
+
+
+def _watch() -> None:
+    while True:
+        time.sleep(_POLL)
+        with _lock:
+            burst = _burst
+            if burst is not None and burst["current"] is not None:
+                _maybe_show(burst, burst["current"][0])
