@@ -1548,6 +1548,43 @@ def test_attention_with_dropout_or_a_learned_mask_takes_torchs_path():
     assert out.shape == _Q.shape and out.isfinite().all()
 
 
+@pytest.mark.parametrize(
+    "kwargs",
+    [dict(is_causal=True), dict(attn_mask=_BOOL_MASK), dict(attn_mask=_MASKED_ROW)],
+    ids=["causal", "bool_mask", "masked_row"],
+)
+def test_attention_gradients_under_torch_compile(kwargs):
+    # a TPU torch.compile backend of another stack gave NaN gradients here (issue 34)
+    def attend(q, k, v, mask=None):
+        extra = {} if mask is None else {"attn_mask": mask}
+        return F.scaled_dot_product_attention(q, k, v, is_causal="is_causal" in kwargs, **extra)
+
+    mask = kwargs.get("attn_mask")
+    compiled = torch.compile(attend, backend="tpu", fullgraph=True)
+    cpu = [t.clone().requires_grad_() for t in (_Q, _K, _VV)]
+    ours = [tpu(t).requires_grad_() for t in (_Q, _K, _VV)]
+    expected = attend(*cpu, mask)
+    actual = compiled(*ours, None if mask is None else tpu(mask))
+    assert_same(actual, expected)
+    expected.square().sum().backward()
+    actual.square().sum().backward()
+    for t, c in zip(ours, cpu):
+        assert_same(t.grad, c.grad)
+
+
+def test_attention_dropout_is_reproducible(mode):
+    q, k, v = (tpu(t) for t in (_Q, _K, _VV))
+
+    def draw():
+        torch.manual_seed(7)
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=0.5).cpu()
+
+    first, again = draw(), draw()
+    assert torch.equal(first, again)
+    # dropout zeroes weights and scales the rest by 2: the output is not the plain one
+    assert not torch.allclose(first, F.scaled_dot_product_attention(_Q, _K, _VV))
+
+
 def test_attention_refuses_what_torch_refuses():
     check_raises_like_cpu(F.scaled_dot_product_attention, _Q, _K[..., :3], _VV)
     check_raises_like_cpu(
