@@ -105,10 +105,11 @@ def test_flash_in_every_mode(flash, mode):
         (dict(dtype=torch.float32), "not bfloat16"),
         (dict(mask=True), "an attn_mask"),
         (dict(length=96), "a length not a multiple of 128"),
+        (dict(size=32), "a head size other than 64 or 128"),
     ],
 )
 def test_other_calls_keep_the_dense_lowering_and_say_why(flash, change, reason):
-    q, k, v = _inputs(length=change.get("length", 128))
+    q, k, v = _inputs(length=change.get("length", 128), size=change.get("size", 64))
     dtype = change.get("dtype", BF16)
     q, k, v = (x.to(dtype) for x in (q, k, v))
     mask = (

@@ -10,9 +10,10 @@ them.
 What the kernels take (anything else stays on the dense lowering, and
 ``torchtpu.metrics()["attention"]`` counts each program's choice with its reason):
 
-- bfloat16 q, k and v of rank 4 [B, H, L, E] with one head size E: the kernels multiply
-  in the inputs' dtype at the default precision, which for float32 inputs on a TPU is
-  one bfloat16 pass (torch's float32 precision setting could not be honoured);
+- bfloat16 q, k and v of rank 4 [B, H, L, E] with one head size E of 64 or 128
+  (``HEAD_SIZES``): the kernels multiply in the inputs' dtype at the default
+  precision, which for float32 inputs on a TPU is one bfloat16 pass (torch's float32
+  precision setting could not be honoured);
 - no ``attn_mask`` (the kernels take an additive bias of the full [B, H, L, S], which
   would be the dense memory again); ``is_causal`` is theirs (top-left aligned, as
   torch's: a query at row i sees keys 0..i);
@@ -43,6 +44,10 @@ BLOCK = 128  # the kernels' smallest block of queries and keys
 # kernels' default of 128 took 2.41 ms forward and 8.66 ms forward and backward, against
 # XLA's dense 1.86 and 4.94 ms; blocks of 512 took 1.07 and 3.59 ms.
 BLOCKS = (512, 256, 128)
+# Head sizes given to the kernels, which keep a whole head in a block's last dim: a size
+# Mosaic refused would fail the whole program, so only these: 64 ran on a v5e (GPT-2's
+# heads), 128 (a TPU lane's width, the kernels' own) has not yet.
+HEAD_SIZES = (64, 128)
 
 
 def applies(query, key, value, attn_mask) -> bool:
@@ -65,6 +70,8 @@ def _why_not(query, key, value, attn_mask) -> str | None:
         return "not [batch, heads, length, head size]"
     if not query.shape[-1] == key.shape[-1] == value.shape[-1]:
         return "value's head size differs"
+    if query.shape[-1] not in HEAD_SIZES:
+        return f"a head size other than {' or '.join(map(str, HEAD_SIZES))}"
     if query.shape[-2] % BLOCK or key.shape[-2] % BLOCK:
         return f"a length not a multiple of {BLOCK}"
     return None
