@@ -45,7 +45,19 @@ class ViewStep(NamedTuple):
     index: int | None = None
 
 
-ViewChain = tuple  # tuple[ViewStep, ...]
+class DynamicStep(NamedTuple):
+    """A ``select``, ``slice`` or ``narrow`` step whose position is an input of the
+    program rather than a constant: how a plan's key holds such a view, so that
+    ``cache[:, :, t] = k`` or ``x[t]`` with a new ``t`` runs the same program
+    (Note [Positions are inputs], dispatch/signature.py). ``dim`` is non-negative;
+    ``length`` is the slice's (None for ``select``)."""
+
+    op: torch._ops.OpOverload
+    dim: int
+    length: int | None
+
+
+ViewChain = tuple  # tuple[ViewStep | DynamicStep, ...]
 
 
 class Storage:

@@ -54,6 +54,7 @@ from torchtpu.dispatch.values import UNKNOWN, OutMeta, contiguous
 from torchtpu.ops import value_checks, view_chains
 from torchtpu.ops.util import cast
 from torchtpu.runtime import jax, policy
+from torchtpu.storage import DynamicStep
 
 
 class Plan:
@@ -160,6 +161,11 @@ def build(op, lowering, info_: SchemaInfo, rules, values: list, call: Call) -> P
     slots = tuple(None if s.array is not None else (s.shape, s.dtype) for s in call.storages)
     n_arrays = sum(1 for s in slots if s is None)
     n_scalars = len(call.scalars)
+    n_positions = sum(
+        sum(type(step) is DynamicStep for step in part[4])
+        for kind, part in zip(rules.kinds, key)
+        if kind is TENSOR and type(part) is tuple and len(part) == 5
+    )
     plan = Plan()
     plan.op = op
     plan.returns = returns
@@ -178,8 +184,7 @@ def build(op, lowering, info_: SchemaInfo, rules, values: list, call: Call) -> P
     # Per written storage: its position among the plan's array arguments, or None for
     # an uninitialised storage (the plan makes its base; no argument holds it).
     plan.written_arrays = tuple(
-        None if slots[i] is not None else sum(1 for s in slots[:i] if s is None)
-        for i in written
+        None if slots[i] is not None else sum(1 for s in slots[:i] if s is None) for i in written
     )
     precision = _precision.lax_precision(_precision.current()) if lowering.precision else None
     check_overlap = not lowering.writes_expanded
@@ -189,7 +194,10 @@ def build(op, lowering, info_: SchemaInfo, rules, values: list, call: Call) -> P
     def fn(*flat):
         arrays = iter(flat[:n_arrays])
         bases = [next(arrays) if s is None else jnp.zeros(s[0], dtypes.to_jax(s[1])) for s in slots]
-        scalars = iter(flat[n_arrays : n_arrays + n_scalars])
+        scalars = iter(flat[n_arrays : n_arrays + n_scalars - n_positions])
+        # Note [Positions are inputs] (signature.py): the views' positions come last
+        positions = iter(flat[n_arrays + n_scalars - n_positions : n_arrays + n_scalars])
+        positioned = {}  # slot -> (chain, positions) of a view read with positions
         rest = flat[n_arrays + n_scalars :]
         seen = [0]  # storages met so far, in scan order
 
@@ -205,7 +213,12 @@ def build(op, lowering, info_: SchemaInfo, rules, values: list, call: Call) -> P
                 seen[0] += 1
             else:
                 slot, meta = part
-            return view_chains.read(bases[slot], meta[4])
+            chain = meta[4]
+            if n_positions and any(type(step) is DynamicStep for step in chain):
+                taken = [next(positions) for step in chain if type(step) is DynamicStep]
+                positioned[slot] = (chain, taken)
+                return view_chains.read(bases[slot], chain, taken)
+            return view_chains.read(bases[slot], chain)
 
         def value_of(kind, part, name):
             if kind is TENSOR:
@@ -264,7 +277,8 @@ def build(op, lowering, info_: SchemaInfo, rules, values: list, call: Call) -> P
             else:
                 _, slot, chain, dtype, shape = t
                 v = jnp.broadcast_to(cast(v, dtype), shape)
-                bases[slot] = view_chains.write(bases[slot], chain, v, check_overlap)
+                chain, taken = positioned.get(slot, (chain, ()))
+                bases[slot] = view_chains.write(bases[slot], chain, v, check_overlap, taken)
         plan.traced = True
         return (*new, *(bases[s] for s in written), *(flag for flag, _, _ in collected))
 

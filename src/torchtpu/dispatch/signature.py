@@ -27,6 +27,7 @@ import torch
 from torchtpu import dtypes, tracing
 from torchtpu.dispatch.pending import Pending
 from torchtpu.dispatch.schema import Kind, SchemaInfo
+from torchtpu.ops.view_chains import positions_as_inputs
 from torchtpu.tensor import TPUTensor
 
 # Rules: how `scan` reads the argument at each position.
@@ -76,6 +77,7 @@ def scan(op, rules: Rules, values) -> Call:
     call = Call()
     call.device = None
     kinds, defaults = rules.kinds, rules.defaults
+    views = None  # positions of the key that hold views: Note [Positions are inputs]
     for i, value in enumerate(values):
         kind = kinds[i]
         if kind is TENSOR:
@@ -87,6 +89,8 @@ def scan(op, rules: Rules, values) -> Call:
                         break
                 else:
                     _new_storage(op, call, storages, arrays, key, s, value._meta)
+                    if value._chain and s.array is not None and tracing._active is None:
+                        views = [len(key) - 1] if views is None else views + [len(key) - 1]
             elif value is None:
                 key.append(None)
             else:
@@ -113,9 +117,45 @@ def scan(op, rules: Rules, values) -> Call:
         else:
             scalars.extend(value)
             key.append(("sl",) + tuple(type(v) for v in value))
+    if views is not None:
+        _positions_as_inputs(key, scalars, kinds, values, views)
     call.key = tuple(key)
     call.arrays, call.scalars, call.storages = arrays, scalars, storages
     return call
+
+
+# Note [Positions are inputs]
+#     ``cache[:, :, t] = k``, ``x[t]``, ``x.narrow(0, t, 4)``: a view's position is part
+#     of its chain, and a chain in a key made every new ``t`` compile a new program (a
+#     64-token decoding loop compiled 62). So where an argument is a view whose chain
+#     selects or slices, the key holds the chain with those positions taken out
+#     (`view_chains.positions_as_inputs`: `DynamicStep` s, which read with
+#     ``dynamic_slice`` and write with ``dynamic_update_slice``: a cost proportional to
+#     what is written, not to the base) and the storage offset as 0, and the positions
+#     go to the end of the call's traced scalars, in argument order. The sizes stay in
+#     the key: a slice of another length is another program. Only for a storage that no
+#     other argument of the call reaches: with two views of one storage, whether they
+#     overlap depends on their positions, and torch's overlap checks run once per key.
+#     In a trace (torch.compile, torchtpu.jit) positions stay constants of the program.
+
+
+def _positions_as_inputs(key: list, scalars: list, kinds, values, views: list) -> None:
+    counts: dict = {}
+    for kind, value in zip(kinds, values):
+        if kind is TENSOR and type(value) is TPUTensor:
+            counts[id(value._storage)] = counts.get(id(value._storage), 0) + 1
+        elif kind is TENSOR_LIST and value is not None:
+            for t in value:
+                if isinstance(t, TPUTensor):
+                    counts[id(t._storage)] = counts.get(id(t._storage), 0) + 1
+    for i in views:
+        if counts[id(values[i]._storage)] != 1:
+            continue
+        shape, strides, _, dtype, chain = key[i]
+        taken = positions_as_inputs(chain)
+        if taken is not None:
+            key[i] = (shape, strides, 0, dtype, taken[0])
+            scalars.extend(taken[1])
 
 
 def _new_storage(op, call, storages, arrays, key, s, meta) -> None:

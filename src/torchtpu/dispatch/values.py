@@ -124,28 +124,37 @@ def materialize(t: TPUTensor):
 
 def _reader(t: TPUTensor, uninitialised: bool):
     """The jitted read of ``t``'s view from its storage's base (of zeros, for an
-    uninitialised storage), compiled once per layout."""
+    uninitialised storage), compiled once per layout; a view's positions are its
+    arguments (Note [Positions are inputs], signature.py), so ``x[t]`` read for each
+    ``t`` compiles once."""
     s = t._storage
-    key = (t._meta, (s.shape, s.dtype) if uninitialised else None)
+    taken = view_chains.positions_as_inputs(t._chain)
+    if taken is None:
+        chain, positions, meta = t._chain, (), t._meta
+    else:
+        (chain, positions), (shape, strides, _, dtype, _) = taken, t._meta
+        meta = (shape, strides, 0, dtype, chain)
+    key = (meta, (s.shape, s.dtype) if uninitialised else None)
     reader = _READERS.lookup(key)
     if reader is None:
-        chain = t._chain
         if uninitialised:
             shape, dtype = s.shape, dtypes.to_jax(s.dtype)
             jnp = jax().numpy
 
-            def read():
-                return view_chains.read(jnp.zeros(shape, dtype), chain)
+            def read(*positions):
+                return view_chains.read(jnp.zeros(shape, dtype), chain, positions)
 
         else:
 
-            def read(base):
-                return view_chains.read(base, chain)
+            def read(base, *positions):
+                return view_chains.read(base, chain, positions)
 
         reader = jax().jit(read)
         _READERS.insert(key, reader)
         metrics.count("compiles", "read")
-    return reader
+    if not positions:
+        return reader
+    return lambda *base: reader(*base, *positions)
 
 
 _READ_OPS = metrics.LRUCache("read_op_cache", lambda: config.op_cache_size)

@@ -12,6 +12,7 @@ from torchtpu.dispatch.signature import hashable, plain
 from torchtpu.dispatch.values import OutMeta
 from torchtpu.observe.locations import name_op
 from torchtpu.ops import unsupported
+from torchtpu.ops.views import slice_bounds
 from torchtpu.storage import ViewStep
 from torchtpu.tensor import TPUTensor
 
@@ -55,7 +56,27 @@ def _plan_view(op, info, x, values) -> list:
             (False, ViewStep(op, static, i), _out_meta(o), o.storage_offset())
             for i, o in enumerate(out)
         ]
+    static = _canonical(op, x.shape, static)
     return [(False, ViewStep(op, static, None), _out_meta(out), out.storage_offset())]
+
+
+def _canonical(op, shape, static: tuple) -> tuple:
+    """A position's arguments as the lowering resolves them (a non-negative dim, start
+    and index; a slice's bounds clamped): the form in which the dispatcher can pass the
+    position to a program instead of compiling it in (Note [Positions are inputs])."""
+    if op is aten.select.int:
+        dim, index = static
+        dim %= len(shape)
+        return (dim, index % shape[dim])
+    if op is aten.slice.Tensor:
+        dim, start, end, step = static
+        dim %= len(shape)
+        return (dim, *slice_bounds(shape[dim], start, end, step))
+    if op is aten.narrow.default:
+        dim, start, length = static
+        dim %= len(shape)
+        return (dim, start + shape[dim] if start < 0 else start, length)
+    return static
 
 
 def _plan_as_strided(op, x, static):

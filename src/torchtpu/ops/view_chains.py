@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import torch
 
-from torchtpu.storage import ViewChain, ViewStep
+from torchtpu.storage import DynamicStep, ViewChain, ViewStep
+
+aten = torch.ops.aten
 
 
 def _lowering(op):
@@ -26,14 +28,57 @@ def apply_step(x, step: ViewStep):
     return out if step.index is None else out[step.index]
 
 
-def read(base, chain: ViewChain):
-    """The value of the tensor reached from ``base`` through ``chain``."""
+# Note [Positions are inputs] (dispatch/signature.py): the steps whose position can be a
+# program input, and where their arguments (canonical: dispatch/views.py) hold it.
+_POSITIONED = {aten.select.int, aten.slice.Tensor, aten.narrow.default}
+
+
+def positions_as_inputs(chain: ViewChain):
+    """``chain`` with each select, and each slice or narrow of step 1 that does not
+    start at 0, as a `DynamicStep`, and the positions taken out of it in chain order;
+    None where no step has a position to take."""
+    positions = []
+    steps = []
     for step in chain:
-        base = apply_step(base, step)
+        if step.op in _POSITIONED and step.index is None:
+            if step.op is aten.select.int:
+                dim, index = step.args
+                steps.append(DynamicStep(step.op, dim, None))
+                positions.append(index)
+                continue
+            if step.op is aten.slice.Tensor:
+                dim, start, end, stride = step.args
+                length = end - start
+            else:
+                (dim, start, length), stride = step.args, 1
+            if stride == 1 and start > 0 and length > 0:
+                steps.append(DynamicStep(step.op, dim, length))
+                positions.append(start)
+                continue
+        steps.append(step)
+    return (tuple(steps), positions) if positions else None
+
+
+def _read_step(x, step, positions):
+    if type(step) is not DynamicStep:
+        return apply_step(x, step)
+    from jax import lax
+
+    if step.length is None:
+        return lax.dynamic_index_in_dim(x, next(positions), step.dim, keepdims=False)
+    return lax.dynamic_slice_in_dim(x, next(positions), step.length, step.dim)
+
+
+def read(base, chain: ViewChain, positions=()):
+    """The value of the tensor reached from ``base`` through ``chain``; ``positions``
+    are the values of its `DynamicStep` s, in order."""
+    positions = iter(positions)
+    for step in chain:
+        base = _read_step(base, step, positions)
     return base
 
 
-def write(base, chain: ViewChain, value, check_overlap: bool = True):
+def write(base, chain: ViewChain, value, check_overlap: bool = True, positions=()):
     """The new base after the tensor reached through ``chain`` takes ``value``.
 
     ``check_overlap=False`` for the ops torch lets write an expanded tensor (fill_,
@@ -44,19 +89,43 @@ def write(base, chain: ViewChain, value, check_overlap: bool = True):
             "unsupported operation: more than one element of the written-to tensor refers "
             "to a single memory location. Please clone() the tensor before performing the operation."
         )
-    return _write(base, chain, value)
+    return _write(base, chain, value, iter(positions))
 
 
-def _write(base, chain: ViewChain, value):
+def _write(base, chain: ViewChain, value, positions):
     if not chain:
         return value
     step, rest = chain[0], chain[1:]
+    if type(step) is DynamicStep:
+        from jax import lax
+
+        position = next(positions)
+        if step.length is None:
+            inner = lax.dynamic_index_in_dim(base, position, step.dim, keepdims=False)
+        else:
+            inner = lax.dynamic_slice_in_dim(base, position, step.length, step.dim)
+        new_inner = _write(inner, rest, value, positions) if rest else value
+        new_inner = new_inner.astype(base.dtype)
+        if step.length is None:
+            return lax.dynamic_update_index_in_dim(base, new_inner, position, step.dim)
+        return lax.dynamic_update_slice_in_dim(base, new_inner, position, step.dim)
     inner = apply_step(base, step)
-    new_inner = _write(inner, rest, value) if rest else value
+    new_inner = _write(inner, rest, value, positions) if rest else value
     inverse = _lowering(step.op).view_inverse
     if inverse is not None:
         return inverse(base, new_inner, *step.args, index=step.index)
     return scatter_into(base, step, new_inner)
+
+
+def _static(step):
+    """A `DynamicStep` as a step at position 0: the same shape and strides."""
+    if type(step) is not DynamicStep:
+        return step
+    if step.length is None:
+        return ViewStep(step.op, (step.dim, 0))
+    if step.op is aten.slice.Tensor:
+        return ViewStep(step.op, (step.dim, 0, step.length, 1))
+    return ViewStep(step.op, (step.dim, 0, step.length))
 
 
 def _shares_locations(base, chain: ViewChain) -> bool:
@@ -70,7 +139,7 @@ def _shares_locations(base, chain: ViewChain) -> bool:
     from torchtpu import dtypes
 
     t = torch.empty(base.shape, dtype=dtypes.to_torch(base.dtype), device="meta")
-    for step in chain:
+    for step in map(_static, chain):
         # zip drops arguments torch's schema lacks (as_strided's storage strides)
         schema = zip(step.op._schema.arguments[1:], step.args)
         args, kwargs = [], {}

@@ -46,7 +46,7 @@ def _t_back(base, value, index=None):
 
 def _slice_back(base, value, dim, start, end, step, index=None):
     dim = canonical_dim(dim, base.ndim)
-    start, _, step = _slice_bounds(base.shape[dim], start, end, step)
+    start, _, step = slice_bounds(base.shape[dim], start, end, step)
     if step == 1:
         return lax.dynamic_update_slice_in_dim(base, value.astype(base.dtype), start, dim)
     return view_chains.scatter_into(
@@ -196,7 +196,7 @@ def unsqueeze(self, dim):
     return jnp.expand_dims(self, canonical_dim(dim, self.ndim + 1))
 
 
-def _slice_bounds(size, start, end, step):
+def slice_bounds(size, start, end, step):
     start = 0 if start is None else start
     end = size if end is None else end
     if start < 0:
@@ -212,7 +212,7 @@ def _slice_bounds(size, start, end, step):
 @lowers(aten.slice_copy.Tensor)
 def slice_(self, dim=0, start=None, end=None, step=1):
     dim = canonical_dim(dim, self.ndim)
-    start, end, step = _slice_bounds(self.shape[dim], start, end, step)
+    start, end, step = slice_bounds(self.shape[dim], start, end, step)
     return lax.slice_in_dim(self, start, end, step, axis=dim)
 
 
