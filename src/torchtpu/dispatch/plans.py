@@ -318,8 +318,16 @@ def _record(plan: Plan, call, device: int):
         _note_fast(plan)
     # The user's line costs a stack walk: only kept where an error may need it.
     where = user_frame() if plan.check_infos else None
-    pending = defer.record(plan, args, plan.avals, where, device)
     n_out = len(plan.outputs)
+    avals = plan.avals
+    if plan.written_slots:
+        # A written base's shape is this call's: a key fixes the views an op reads, not
+        # always the base they are taken from (x[1] of a 4x6 and of a 5x6 base).
+        storages = call.storages
+        avals = avals[:n_out] + [
+            (storages[s].shape, dtypes.to_jax(storages[s].dtype)) for s in plan.written_slots
+        ]
+    pending = defer.record(plan, args, avals, where, device)
     if plan.written_slots:
         return pending[:n_out], pending[n_out:]
     return pending, ()

@@ -59,14 +59,23 @@ def positions_as_inputs(chain: ViewChain):
     return (tuple(steps), positions) if positions else None
 
 
+def _next_position(positions):
+    """A position as an int32 index: it arrives as an int64 (a Python int), which a TPU
+    emulates in pairs of 32-bit values; an index of a dim fits in 32 bits."""
+    import jax.numpy as jnp
+
+    return jnp.asarray(next(positions)).astype(jnp.int32)
+
+
 def _read_step(x, step, positions):
     if type(step) is not DynamicStep:
         return apply_step(x, step)
     from jax import lax
 
+    position = _next_position(positions)
     if step.length is None:
-        return lax.dynamic_index_in_dim(x, next(positions), step.dim, keepdims=False)
-    return lax.dynamic_slice_in_dim(x, next(positions), step.length, step.dim)
+        return lax.dynamic_index_in_dim(x, position, step.dim, keepdims=False)
+    return lax.dynamic_slice_in_dim(x, position, step.length, step.dim)
 
 
 def read(base, chain: ViewChain, positions=()):
@@ -99,7 +108,7 @@ def _write(base, chain: ViewChain, value, positions):
     if type(step) is DynamicStep:
         from jax import lax
 
-        position = next(positions)
+        position = _next_position(positions)
         if step.length is None:
             inner = lax.dynamic_index_in_dim(base, position, step.dim, keepdims=False)
         else:
