@@ -27,7 +27,7 @@ import torch
 from torchtpu import dtypes, tracing
 from torchtpu.dispatch.pending import Pending
 from torchtpu.dispatch.schema import Kind, SchemaInfo
-from torchtpu.ops.view_chains import positions_as_inputs
+from torchtpu.ops.view_chains import meta_without_positions
 from torchtpu.tensor import TPUTensor
 
 # Rules: how `scan` reads the argument at each position.
@@ -77,7 +77,7 @@ def scan(op, rules: Rules, values) -> Call:
     call = Call()
     call.device = None
     kinds, defaults = rules.kinds, rules.defaults
-    views = None  # positions of the key that hold views: Note [Positions are inputs]
+    views = None  # the arguments that are views: Note [Positions are inputs]
     for i, value in enumerate(values):
         kind = kinds[i]
         if kind is TENSOR:
@@ -90,7 +90,8 @@ def scan(op, rules: Rules, values) -> Call:
                 else:
                     _new_storage(op, call, storages, arrays, key, s, value._meta)
                     if value._chain and s.array is not None and tracing._active is None:
-                        views = [len(key) - 1] if views is None else views + [len(key) - 1]
+                        views = views or []
+                        views.append(i)
             elif value is None:
                 key.append(None)
             else:
@@ -151,10 +152,9 @@ def _positions_as_inputs(key: list, scalars: list, kinds, values, views: list) -
     for i in views:
         if counts[id(values[i]._storage)] != 1:
             continue
-        shape, strides, _, dtype, chain = key[i]
-        taken = positions_as_inputs(chain)
+        taken = meta_without_positions(key[i])
         if taken is not None:
-            key[i] = (shape, strides, 0, dtype, taken[0])
+            key[i] = taken[0]
             scalars.extend(taken[1])
 
 

@@ -128,12 +128,8 @@ def _reader(t: TPUTensor, uninitialised: bool):
     arguments (Note [Positions are inputs], signature.py), so ``x[t]`` read for each
     ``t`` compiles once."""
     s = t._storage
-    taken = view_chains.positions_as_inputs(t._chain)
-    if taken is None:
-        chain, positions, meta = t._chain, (), t._meta
-    else:
-        (chain, positions), (shape, strides, _, dtype, _) = taken, t._meta
-        meta = (shape, strides, 0, dtype, chain)
+    meta, positions = view_chains.meta_without_positions(t._meta) or (t._meta, ())
+    chain = meta[4]
     key = (meta, (s.shape, s.dtype) if uninitialised else None)
     reader = _READERS.lookup(key)
     if reader is None:

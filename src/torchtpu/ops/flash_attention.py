@@ -39,10 +39,10 @@ from torchtpu import config
 from torchtpu.observe import metrics
 from torchtpu.runtime import platform, policy
 
-BLOCK = 128  # the kernels' smallest block of queries and keys
-# Larger blocks where the lengths allow: on a v5e (B 8, H 12, L 1024, E 64, causal) the
-# kernels' default of 128 took 2.41 ms forward and 8.66 ms forward and backward, against
-# XLA's dense 1.86 and 4.94 ms; blocks of 512 took 1.07 and 3.59 ms.
+# Blocks of queries and keys, the largest the lengths allow; 128 is the kernels' smallest
+# (and default). On a v5e (B 8, H 12, L 1024, E 64, causal) blocks of 128 took 2.41 ms
+# forward and 8.66 ms forward and backward, against XLA's dense 1.86 and 4.94 ms;
+# blocks of 512 took 1.07 and 3.59 ms.
 BLOCKS = (512, 256, 128)
 # Head sizes given to the kernels, which keep a whole head in a block's last dim: a size
 # Mosaic refused would fail the whole program, so only these: 64 ran on a v5e (GPT-2's
@@ -72,8 +72,8 @@ def _why_not(query, key, value, attn_mask) -> str | None:
         return "value's head size differs"
     if query.shape[-1] not in HEAD_SIZES:
         return f"a head size other than {' or '.join(map(str, HEAD_SIZES))}"
-    if query.shape[-2] % BLOCK or key.shape[-2] % BLOCK:
-        return f"a length not a multiple of {BLOCK}"
+    if query.shape[-2] % BLOCKS[-1] or key.shape[-2] % BLOCKS[-1]:
+        return f"a length not a multiple of {BLOCKS[-1]}"
     return None
 
 

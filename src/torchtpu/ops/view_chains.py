@@ -59,6 +59,17 @@ def positions_as_inputs(chain: ViewChain):
     return (tuple(steps), positions) if positions else None
 
 
+def meta_without_positions(meta: tuple):
+    """A tensor's ``_meta`` (shape, strides, offset, dtype, chain) with its chain's
+    positions taken out and the offset, which they decide, as 0, and the positions; None
+    where there are none."""
+    shape, strides, _, dtype, chain = meta
+    taken = positions_as_inputs(chain)
+    if taken is None:
+        return None
+    return (shape, strides, 0, dtype, taken[0]), taken[1]
+
+
 def _next_position(positions):
     """A position as an int32 index: it arrives as an int64 (a Python int), which a TPU
     emulates in pairs of 32-bit values; an index of a dim fits in 32 bits."""
@@ -67,15 +78,18 @@ def _next_position(positions):
     return jnp.asarray(next(positions)).astype(jnp.int32)
 
 
-def _read_step(x, step, positions):
-    if type(step) is not DynamicStep:
-        return apply_step(x, step)
+def _dynamic_read(x, step: DynamicStep, position):
     from jax import lax
 
-    position = _next_position(positions)
     if step.length is None:
         return lax.dynamic_index_in_dim(x, position, step.dim, keepdims=False)
     return lax.dynamic_slice_in_dim(x, position, step.length, step.dim)
+
+
+def _read_step(x, step, positions):
+    if type(step) is not DynamicStep:
+        return apply_step(x, step)
+    return _dynamic_read(x, step, _next_position(positions))
 
 
 def read(base, chain: ViewChain, positions=()):
@@ -109,10 +123,7 @@ def _write(base, chain: ViewChain, value, positions):
         from jax import lax
 
         position = _next_position(positions)
-        if step.length is None:
-            inner = lax.dynamic_index_in_dim(base, position, step.dim, keepdims=False)
-        else:
-            inner = lax.dynamic_slice_in_dim(base, position, step.length, step.dim)
+        inner = _dynamic_read(base, step, position)
         new_inner = _write(inner, rest, value, positions) if rest else value
         new_inner = new_inner.astype(base.dtype)
         if step.length is None:
