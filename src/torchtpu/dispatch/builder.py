@@ -71,6 +71,7 @@ class Plan:
         "single",
         "written_slots",
         "written_arrays",
+        "writes_views",
         "check_infos",
         "random",
         "compiled",
@@ -181,6 +182,9 @@ def build(op, lowering, info_: SchemaInfo, rules, values: list, call: Call) -> P
         if t[0] == "write" and t[1] not in written:
             written.append(t[1])
     plan.written_slots = written
+    # Whether a written tensor is a view: its base's shape is then the call's, not
+    # necessarily this first call's (plans.py _record)
+    plan.writes_views = any(t[0] == "write" and t[2] for t in targets)
     # Per written storage: its position among the plan's array arguments, or None for
     # an uninitialised storage (the plan makes its base; no argument holds it).
     plan.written_arrays = tuple(

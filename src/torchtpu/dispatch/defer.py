@@ -475,7 +475,7 @@ def _run(q: _Queue, reason: str, needed=()) -> dict:
     compiling = (
         progress.compiling(f"a DeferAndFuse chunk of {len(q.plans)} ops", where)
         if not chunk.compiled
-        else contextlib.nullcontext()
+        else _NOTHING
     )
     try:
         start = time.perf_counter()
@@ -536,11 +536,7 @@ def _run_one(q: _Queue, reason: str, where: str | None) -> None:
         "flush", reason=reason, where=where, ops=1, outputs=sum(p is not None for p in pendings),
         compiled=compiled, failed=False,
     )  # fmt: skip
-    compiling = (
-        progress.compiling(str(plan.op), where or user_frame())
-        if compiled
-        else contextlib.nullcontext()
-    )
+    compiling = progress.compiling(str(plan.op), where or user_frame()) if compiled else _NOTHING
     try:
         start = time.perf_counter()
         if q.device:

@@ -320,7 +320,7 @@ def _record(plan: Plan, call, device: int):
     where = user_frame() if plan.check_infos else None
     n_out = len(plan.outputs)
     avals = plan.avals
-    if plan.written_slots:
+    if plan.writes_views:
         # A written base's shape is this call's: a key fixes the views an op reads, not
         # always the base they are taken from (x[1] of a 4x6 and of a 5x6 base).
         storages = call.storages

@@ -66,6 +66,8 @@ def compiling(what: str, where: str):
 def note_read() -> None:
     """A value was read: the burst, if any, ends (with its last line if it showed one)."""
     global _burst
+    if _burst is None:  # every read passes here: no lock when nothing compiled
+        return
     with _lock:
         burst, _burst = _burst, None
     if burst is not None and burst["shown_at"] is not None:
