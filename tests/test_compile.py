@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import importlib.metadata
 import math
 import os
@@ -430,6 +431,31 @@ def test_dynamic_true_compiles_one_program_per_shape():
             x = torch.randn(batch, 8).to("tpu")
             torch.testing.assert_close(compiled(x).cpu(), model(x).cpu())
     assert torchtpu.metrics()["compiles"]["graph"] == 2
+
+
+def test_dynamic_true_trains_over_changing_batch_sizes(mode):
+    """A function and a module compiled with dynamic=True, trained over batch sizes 2, 6
+    and 3, match the CPU in every mode (DeferAndFuse raised ConcretizationTypeError)."""
+
+    def f(x):
+        return (x.sin() * 2).sum(0)
+
+    compiled_f = torch.compile(f, backend="tpu", dynamic=True)
+    torch.manual_seed(0)
+    cpu = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    tpu = copy.deepcopy(cpu).to("tpu")
+    compiled = torch.compile(tpu, backend="tpu", dynamic=True)
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (cpu, tpu)]
+    for batch in (2, 6, 3):
+        x = torch.randn(batch, 4)
+        torch.testing.assert_close(compiled_f(x.to("tpu")).cpu(), f(x))
+        for model, x_, opt in ((cpu, x, optimizers[0]), (compiled, x.to("tpu"), optimizers[1])):
+            loss = model(x_).pow(2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+    for p_cpu, p_tpu in zip(cpu.parameters(), tpu.parameters()):
+        torch.testing.assert_close(p_tpu.cpu(), p_cpu)
 
 
 @pytest.mark.allow_fallback

@@ -1127,3 +1127,20 @@ def test_converting_a_module_after_a_forward_pass(mode, conversion):
     assert tpu_stride == cpu_stride
     # (the conv bias's gradient through batch norm is zero, up to rounding)
     assert_same(actual, expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_unique_rows_holding_nan_as_on_the_cpu(mode, dtype):
+    """unique(dim=...) of rows holding NaN: values, inverse and counts as the CPU's kernel
+    gives them (its sort takes a NaN as neither less nor greater than anything, so the
+    rows' order follows its steps), in 60 random matrices, along rows and columns."""
+    g = torch.Generator().manual_seed(31)
+    for _ in range(30):
+        n, c = int(torch.randint(1, 24, (1,), generator=g)), int(torch.randint(1, 4, (1,), generator=g))
+        x = torch.randint(0, 3, (n, c), generator=g).to(dtype)
+        x[torch.rand(n, c, generator=g) < 0.25] = float("nan")
+        for dim in (0, 1):
+            expected = torch.unique(x, dim=dim, return_inverse=True, return_counts=True)
+            actual = torch.unique(x.to("tpu"), dim=dim, return_inverse=True, return_counts=True)
+            for a, e in zip(actual, expected):
+                torch.testing.assert_close(a.cpu(), e, equal_nan=True, rtol=0, atol=0)

@@ -59,8 +59,8 @@ from torchtpu.tensor import TPUTensor
 
 @contextlib.contextmanager
 def trace(seed, offset):
-    """Run the body as a trace (see tracing.py); yields the `Trace`."""
-    defer.flush("compiled call")  # queued eager ops run first, outside the program
+    """Run the body as a trace (see tracing.py); yields the `Trace`. Nothing may be
+    queued (Program.__call__ flushes before JAX traces)."""
     previous, previous_mode = tracing._active, modes._current
     tracing._active = tracing.Trace(seed, offset)
     modes._current = modes.EagerMode.DEFER_NEVER
@@ -115,6 +115,9 @@ class Program:
 
     def __call__(self, static, arrays: list, device: int = 0):
         """Run on concrete ``arrays``; returns (output arrays, layout)."""
+        # Queued eager ops run first, and outside the program: under JAX's trace, a chunk
+        # run by a flush would be staged into the program and its results leak as tracers.
+        defer.flush("compiled call")
         signature = (static, tuple((a.shape, a.dtype) for a in arrays))
         traced = self._signatures.get(signature)
         seed, offset = rng.peek(device)

@@ -11,6 +11,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import torch
 
 from torchtpu.ops.registry import aten, lowers
@@ -350,10 +351,11 @@ def _unique_input(self, axis):
 
 @functools.partial(jax.jit, static_argnames=("axis",))
 def _unique_count(self, axis):
+    """How many unique values or rows, and whether any element is NaN."""
     x, axis = _unique_input(self, axis)
     # At the largest possible size, the padding has a count of 0.
     _, counts = jnp.unique(x, axis=axis, return_counts=True, size=x.shape[axis], equal_nan=False)
-    return jnp.count_nonzero(counts)
+    return jnp.count_nonzero(counts), jnp.isnan(x).any() if jnp.issubdtype(x.dtype, jnp.inexact) else False
 
 
 @functools.partial(jax.jit, static_argnames=("axis", "size"))
@@ -367,12 +369,31 @@ def _unique_sized(self, axis, size):
     return values, inverse.astype(jnp.int64), counts.astype(jnp.int64)
 
 
+def _unique_rows_holding_nan(self, axis):
+    """unique(dim=axis) by torch's CPU kernel. It sorts rows with std::sort and a
+    lexicographic comparator for which a NaN is neither less nor greater than anything, so
+    where rows holding NaN land (and so the order, inverse and counts) follows the sort's
+    steps on that input, which only that kernel repeats. Such inputs are rare; the values
+    travel once each way (16-bit floats widened exactly, for numpy)."""
+    host = np.array(self)  # a writable copy, as torch.from_numpy wants
+    if host.dtype == jnp.bfloat16:  # numpy's bfloat16 (ml_dtypes) is unknown to torch
+        host = host.astype(np.float32)
+    values, inverse, counts = torch.unique(
+        torch.from_numpy(host), dim=axis, return_inverse=True, return_counts=True
+    )
+    values = jnp.asarray(values.numpy()).astype(self.dtype)
+    return values, jnp.asarray(inverse.numpy()), jnp.asarray(counts.numpy())
+
+
 def _unique(self, axis):
     if self.size == 0:
         values = self.reshape(-1) if axis is None else self
         inverse = jnp.zeros(self.shape if axis is None else (self.shape[axis],), jnp.int64)
         return values, inverse, jnp.zeros((0,), jnp.int64)
-    return _unique_sized(self, axis=axis, size=int(_unique_count(self, axis=axis)))
+    count, holds_nan = jax.device_get(_unique_count(self, axis=axis))
+    if axis is not None and holds_nan:
+        return _unique_rows_holding_nan(self, axis)
+    return _unique_sized(self, axis=axis, size=int(count))
 
 
 def _only_asked(result, return_inverse, return_counts):
