@@ -28,3 +28,14 @@ def test_gpt_benchmark_fills_every_row():
         assert "failed" not in line and " ms " in line, line
     for path in ("strict", "defer", "compile", "jit"):  # each counts its programs
         assert rows[path].split("|")[3].strip().isdigit(), rows[path]
+
+
+def test_attention_benchmark_fills_its_row():
+    run = subprocess.run(
+        [sys.executable, "benchmarks/attention.py", "--lengths", "512", "--repeats", "1"],
+        cwd=ROOT, capture_output=True, text=True, timeout=900,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
+    (row,) = [line for line in run.stdout.splitlines() if line.startswith("| 512 ")]
+    assert row.count(" ms ") == 2 and "MiB" in row, run.stdout

@@ -138,10 +138,95 @@ def _on_tpu(name, inputs, attend=flex_attention, **options):
     return [out, lse, q.grad, k.grad, v.grad, *(c.grad for c in captured)]
 
 
+@pytest.mark.parametrize("blocks", ["on", "off"])
 @pytest.mark.parametrize("name", CASES)
-def test_score_mods_and_masks_match_the_cpu(name, mode):
+def test_score_mods_and_masks_match_the_cpu(name, mode, blocks, monkeypatch):
+    """Forward and gradients, over the listed blocks only (compile/flex_blocks.py) and
+    over every score (torch's dense implementation)."""
+    monkeypatch.setattr(torchtpu.config, "flex_blocks", blocks)
     inputs = _inputs()
     assert_same(_on_tpu(name, inputs), _expected(name, inputs), atol=2e-5, rtol=2e-5)
+    choices = torchtpu.metrics()["attention"]
+    if blocks == "off":
+        assert set(choices) == {"flex: dense: config.flex_blocks is 'off'"}
+    elif name == "relative_bias":  # no block mask: one block holds every key
+        assert list(choices) == ["flex: dense: one block holds every key (no mask, or a block as long as the keys)"]
+    else:
+        assert choices == {"flex: blocks": 2}  # forward and backward
+
+
+@pytest.mark.parametrize("shape", ["gqa and a broadcast batch", "lengths not multiples of a block", "more keys than queries"])
+def test_blocks_visited_match_the_cpu_in_other_shapes(shape, monkeypatch):
+    """Grouped heads with one key batch for all query batches, lengths that end inside a
+    block (padded queries and keys are masked), and L != S: forward and gradients of
+    the blockwise path against the float64 reference."""
+    monkeypatch.setattr(torchtpu.config, "flex_blocks", "on")
+    torch.manual_seed(4)
+    q_len, kv_len, kv_batch, kv_heads = {
+        "gqa and a broadcast batch": (L, L, 1, 2),
+        "lengths not multiples of a block": (57, 57, B, H),
+        "more keys than queries": (40, 72, B, H),
+    }[shape]
+    q = torch.randn(B, H, q_len, E, dtype=torch.float64)
+    k, v = (torch.randn(kv_batch, kv_heads, kv_len, E, dtype=torch.float64) for _ in range(2))
+
+    def window(b, h, qi, kv):
+        return (kv <= qi + kv_len - q_len) & (qi + kv_len - q_len - kv <= 20)
+
+    slopes = 2.0 ** -torch.arange(1, H + 1, dtype=torch.float64)
+
+    def expected_and_actual(device, dtype):
+        inputs = [t.to(device, dtype).requires_grad_() for t in (q, k, v)]
+        s = slopes.to(device, dtype).requires_grad_()
+
+        def alibi(score, b, h, qi, kv):
+            return score + s[h] * (kv - qi)
+
+        if device == "cpu":
+            qq, kk, vv = inputs
+            kk = kk.expand(B, -1, -1, -1).repeat_interleave(H // kv_heads, 1)
+            vv = vv.expand(B, -1, -1, -1).repeat_interleave(H // kv_heads, 1)
+            out, lse = reference(qq, kk, vv, alibi, window)
+        else:
+            mask_batch = None if kv_batch == B else B  # torch asks for q's batch then
+            mask = create_block_mask(window, mask_batch, None, q_len, kv_len, device=device, BLOCK_SIZE=BLOCK)
+            out, lse = flex_attention(
+                *inputs, score_mod=alibi, block_mask=mask, return_lse=True, enable_gqa=kv_heads != H
+            )
+        _loss(out, lse).backward()
+        return [t.detach().float() for t in (out, lse, *(i.grad for i in inputs), s.grad)]
+
+    assert_same(expected_and_actual("tpu", torch.float32), expected_and_actual("cpu", torch.float64), atol=2e-5, rtol=2e-5)
+    assert torchtpu.metrics()["attention"] == {"flex: blocks": 2}
+
+
+def test_blocks_are_counted_once_per_block_mask(monkeypatch):
+    """The most blocks a query block visits is read from the device once per block mask
+    and kept while its tensors are unchanged: four calls with one mask read it once."""
+    from torchtpu.compile import flex_blocks
+
+    monkeypatch.setattr(torchtpu.config, "flex_blocks", "on")
+    reads = []
+    real_most = flex_blocks._most
+    monkeypatch.setattr(flex_blocks, "_most", lambda *a: reads.append(a) or real_most(*a))
+    cache_reads = []
+    monkeypatch.setattr(flex_blocks.torch, "stack", _counting(torch.stack, cache_reads))
+    q, k, v = (tpu(t.float()) for t in _inputs())
+    mask = _block_mask(sliding_window, "tpu")
+    for _ in range(4):
+        flex_attention(q, k, v, block_mask=mask)
+    assert len(reads) == 4 and len(cache_reads) == 1
+    mask.kv_num_blocks.add_(0)  # a new version: read again
+    flex_attention(q, k, v, block_mask=mask)
+    assert len(cache_reads) == 2
+
+
+def _counting(fn, calls):
+    def counted(*args, **kwargs):
+        calls.append(args)
+        return fn(*args, **kwargs)
+
+    return counted
 
 
 def _compiled_flex(*args, **kwargs):

@@ -132,6 +132,11 @@ compile_progress_after: float = float(os.environ.get("TORCHTPU_COMPILE_PROGRESS_
 #: for tests), "off" never. Read when an op's program is built.
 flash_attention: str = os.environ.get("TORCHTPU_FLASH_ATTENTION", "auto").strip().lower()
 
+#: FlexAttention over the blocks its BlockMask lists (compile/flex_blocks.py): "auto"
+#: where they leave at most half of the scores, "on" whenever the block counts can be
+#: read (eager modes), "off" never (torch's dense implementation: every score).
+flex_blocks: str = os.environ.get("TORCHTPU_FLEX_BLOCKS", "auto").strip().lower()
+
 #: Which platform policy decides what the device's compiler is given (runtime/policy.py):
 #: "auto" (the device's own: on a TPU, float64 and complex128 are kept and computed on
 #: the host), "tpu" (the TPU's, on any backend: for tests on the CPU), "none".

@@ -10,19 +10,21 @@ subclass its own entry (``py_impl(TPUTensor)``), registered here:
 - on traced wrappers (Dynamo and AOTAutograd tracing a model on tpu, handles.py) the
   op runs on their inner tensors, so the graph holds the higher-order op itself with
   its score_mod and mask_mod graphs, as on CUDA;
-- on tpu tensors it runs torch's own dense implementation (``sdpa_dense`` and
-  ``sdpa_dense_backward``): score_mod and mask_mod applied to the whole [B, H, L, S]
-  score matrix through ``vmap``, in float32 (float64 for float64 inputs), then a
-  softmax that gives fully masked rows zeros. Those are ordinary tpu ops: in Strict
-  each runs as its program, in DeferAndFuse they join the chunk, and inside a
-  compiled graph or `torchtpu.jit` step they are traced into its one XLA program.
+- on tpu tensors it scores only the blocks the block mask lists (flex_blocks.py), or
+  runs torch's own dense implementation (``sdpa_dense`` and ``sdpa_dense_backward``)
+  where those are unknown (in a trace) or would not pay: score_mod and mask_mod
+  applied to the whole [B, H, L, S] score matrix through ``vmap``, in float32
+  (float64 for float64 inputs), then a softmax that gives fully masked rows zeros.
+  Either is ordinary tpu ops: in Strict each runs as its program, in DeferAndFuse
+  they join the chunk, and inside a compiled graph or `torchtpu.jit` step they are
+  traced into its one XLA program.
 
 Autograd is torch's (``FlexAttentionAutogradOp``): score_mod's gradient graph is traced
 on fake tpu tensors (Note [Tpu tensors among fake tensors] in tensor.py), and gradients
 reach q, k, v and the tensors score_mod captures (a learned bias).
 
-The block mask's sparsity is not used yet: the scores are materialised, as torch's
-eager path on the CPU does.
+Inside a trace the block mask's sparsity is not used yet: the scores are
+materialised, as torch's eager path on the CPU does.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ import torch
 from torch.utils._pytree import tree_leaves, tree_map_only
 
 from torchtpu import _compat, tracing
-from torchtpu.compile import handles
+from torchtpu.compile import flex_blocks, handles
 from torchtpu.tensor import TPUTensor
 
 # The module, not the op: ``torch._higher_order_ops.flex_attention`` is also the name of
@@ -88,9 +90,13 @@ def _gradients_computed(joint_graph, count: int) -> list:
     return [o is not None for o in output.args[0][-count:]]
 
 
+def _backward(*args):
+    return flex_blocks.backward(*args, dense=_dense_backward)
+
+
 OPS = (_hop.flex_attention, _hop.flex_attention_backward)
-_on_tpu(_hop.flex_attention, _hop.sdpa_dense)
-_on_tpu(_hop.flex_attention_backward, _dense_backward)
+_on_tpu(_hop.flex_attention, flex_blocks.forward)
+_on_tpu(_hop.flex_attention_backward, _backward)
 
 
 def _check_device(query, key, value):

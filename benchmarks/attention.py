@@ -1,0 +1,128 @@
+"""FlexAttention with a sliding-window block mask: the listed blocks against every score.
+
+    python benchmarks/attention.py                      # lengths 2048, 4096, 8192
+    python benchmarks/attention.py --lengths 1024 2048  # quicker
+
+One causal sliding window of 256 keys (``create_block_mask``, blocks of 128), q, k, v
+float32 [1, 4, L, 64] on tpu, forward and backward in Strict mode, with
+``torchtpu.config.flex_blocks`` "on" (compile/flex_blocks.py: only the blocks the mask
+lists are scored) and "off" (torch's dense implementation: every score of [L, L] is
+built and masked). Each cell runs in a fresh process: the median of ``--repeats`` steps
+after one that compiles, and the peak memory of those steps -- growth of the process's
+peak RSS over its resident size before them (JAX's CPU backend holds device arrays in
+the process) and, where JAX reports it (TPU, GPU), the device's peak bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from benchmarks import quiet  # noqa: E402
+
+_CELL = r"""
+import json, statistics, sys, time
+sys.path.insert(0, {root!r})
+import torch
+import torchtpu
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+length, blocks, repeats = {length!r}, {blocks!r}, {repeats!r}
+torchtpu.config.flex_blocks = blocks
+WINDOW = 256
+
+
+def window(b, h, q, kv):
+    return (q >= kv) & (q - kv < WINDOW)
+
+
+def rss(field):
+    for line in open("/proc/self/status"):
+        if line.startswith(field):
+            return int(line.split()[1]) * 1024
+
+
+def device_bytes(key):
+    from torchtpu.runtime import jax
+    stats = jax().local_devices()[0].memory_stats() or {{}}
+    return stats.get(key)
+
+
+torch.manual_seed(0)
+q, k, v = (torch.randn(1, 4, length, 64).to("tpu").requires_grad_() for _ in range(3))
+mask = create_block_mask(window, None, None, length, length, device="tpu", BLOCK_SIZE=128)
+
+
+def step():
+    out = flex_attention(q, k, v, block_mask=mask)
+    out.sum().backward()
+    return float(q.grad.sum())
+
+
+step()  # compiles
+try:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets VmHWM to the current resident size
+except OSError:
+    pass
+before, device_before = rss("VmRSS:"), device_bytes("bytes_in_use")
+times = []
+for _ in range(repeats):
+    start = time.perf_counter()
+    step()
+    times.append(time.perf_counter() - start)
+device_peak = device_bytes("peak_bytes_in_use")
+print(json.dumps({{
+    "seconds": statistics.median(times), "growth": rss("VmHWM:") - before,
+    "device": None if device_peak is None else device_peak - device_before,
+    "choices": torchtpu.metrics().get("attention", {{}}),
+}}))
+"""
+
+
+def cell(length: int, blocks: str, repeats: int) -> dict:
+    code = _CELL.format(root=ROOT, length=length, blocks=blocks, repeats=repeats)
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    if run.returncode:
+        return {"error": (run.stderr.strip().splitlines() or ["?"])[-1][:120]}
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def _mib(n):
+    return "-" if n is None else f"{n / 2**20:,.0f} MiB"
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--lengths", type=int, nargs="*", default=[2048, 4096, 8192])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--require-quiet", action="store_true", help="refuse a busy machine")
+    args = parser.parse_args()
+    quiet.check_before_start()  # (the cells' own processes would count as others' load)
+    print(f"`python benchmarks/attention.py --lengths {' '.join(map(str, args.lengths))}`: "
+          "FlexAttention, causal sliding window of 256, [1, 4, L, 64] float32, forward and "
+          "backward, Strict\n")  # fmt: skip
+    print("| L | blocks: time | dense: time | dense/blocks | blocks: peak RSS growth | "
+          "dense: peak RSS growth | blocks: device peak | dense: device peak |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|")
+    for length in args.lengths:
+        on, off = cell(length, "on", args.repeats), cell(length, "off", args.repeats)
+        if "error" in on or "error" in off:
+            print(f"| {length} | {on.get('error', '')} | {off.get('error', '')} | | | | | |")
+            continue
+        print(
+            f"| {length} | {on['seconds'] * 1e3:,.1f} ms | {off['seconds'] * 1e3:,.1f} ms | "
+            f"{off['seconds'] / on['seconds']:.1f}x | {_mib(on['growth'])} | {_mib(off['growth'])} | "
+            f"{_mib(on['device'])} | {_mib(off['device'])} |",
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    main()
