@@ -203,6 +203,61 @@ def test_memory_allocated_moves_by_a_tensors_size():
     assert "MiB allocated" in torch.tpu.memory_summary()
 
 
+def _step(model, batch):
+    """A forward over a batch made on the device; too large a batch runs out of memory."""
+    x = torch.ones(batch, 1024, device="tpu") * 0.01
+    return model(x).sum().item() / batch
+
+
+def test_out_of_memory_is_torchs_and_a_smaller_batch_then_runs(mode):
+    """The device running out of memory raises torch.OutOfMemoryError, as CUDA does, in
+    every mode; after it the process backs off to a smaller batch (the users' loop) and
+    gets the CPU's value, with the model's parameters intact."""
+    torch.manual_seed(0)
+    cpu_model = nn.Linear(1024, 8)
+    model = nn.Linear(1024, 8).to("tpu")
+    model.load_state_dict(cpu_model.state_dict())
+    # Inputs of four times the device's memory (on the CPU backend, the host's).
+    too_many = 1 << (4 * torch.tpu.mem_get_info()[1] // 4096).bit_length()
+    losses, batch = [], too_many
+    while True:
+        try:
+            losses.append(_step(model, batch))
+            break
+        except torch.OutOfMemoryError as error:
+            message = str(error)
+            assert message.startswith("tpu out of memory: ") and " GiB" in message, message
+            torch.tpu.empty_cache()
+            batch = 16
+    assert batch == 16
+    expected = cpu_model(torch.ones(16, 1024) * 0.01).sum().item() / 16
+    assert losses == [pytest.approx(expected, rel=1e-5)]
+    assert_same(model.weight, cpu_model.weight)
+
+
+def test_per_process_memory_fraction_is_a_limit(mode):
+    """set_per_process_memory_fraction: an op whose output would pass the fraction of the
+    device's memory raises torch.OutOfMemoryError naming the op and the limit; smaller
+    ones run; 1.0 lifts it. Its argument is checked as torch.cuda checks it."""
+    total = torch.tpu.mem_get_info()[1]
+    allocated = torch.tpu.memory_allocated()
+    try:
+        torch.tpu.set_per_process_memory_fraction((allocated + (8 << 20)) / total)
+        assert torch.tpu.get_per_process_memory_fraction() < 1
+        small = torch.ones(1 << 20, device="tpu")  # 4 MiB
+        with pytest.raises(torch.OutOfMemoryError, match=r"aten\.ones\.default tried to allocate 16\.00 MiB.*set_per_process_memory_fraction"):
+            torch.ones(4 << 20, device="tpu")
+        assert small.sum().item() == 1 << 20
+    finally:
+        torch.tpu.set_per_process_memory_fraction(1.0)
+    assert torch.tpu.get_per_process_memory_fraction() == 1.0
+    assert torch.ones(4 << 20, device="tpu").sum().item() == 4 << 20
+    with pytest.raises(TypeError, match="must be `float`"):
+        torch.tpu.set_per_process_memory_fraction(1)
+    with pytest.raises(ValueError, match="Allowed range"):
+        torch.tpu.set_per_process_memory_fraction(1.5)
+
+
 def test_torch_accelerator_memory_functions_answer_for_tpu():
     # torch's own need a C++ device allocator, which a Python backend has not (an
     # INTERNAL ASSERT); accelerate calls torch.accelerator.empty_cache() after training.

@@ -34,6 +34,7 @@ from torchtpu.dispatch.modes import EagerMode, set_eager_mode
 from torchtpu.matmul_precision import Precision, precision
 from torchtpu.memory import (
     empty_cache,
+    get_per_process_memory_fraction,
     max_memory_allocated,
     max_memory_reserved,
     mem_get_info,
@@ -42,6 +43,7 @@ from torchtpu.memory import (
     memory_stats,
     memory_summary,
     reset_peak_memory_stats,
+    set_per_process_memory_fraction,
 )
 from torchtpu.runtime import index_of as _index
 from torchtpu.streams import Event, Stream, current_stream, default_stream, set_stream, stream
@@ -61,6 +63,7 @@ __all__ = [
     "get_device_capability",
     "get_device_name",
     "get_device_properties",
+    "get_per_process_memory_fraction",
     "get_rng_state",
     "get_rng_state_all",
     "initial_seed",
@@ -82,6 +85,7 @@ __all__ = [
     "seed_all",
     "set_device",
     "set_eager_mode",
+    "set_per_process_memory_fraction",
     "set_rng_state",
     "set_rng_state_all",
     "set_stream",

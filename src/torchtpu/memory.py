@@ -21,6 +21,12 @@ Counted are buffers that exist: an uninitialised ``torch.empty`` tensor holds no
 until it is written, and a DeferAndFuse value none until its chunk runs;
 ``memory_stats()["source"]`` says whether the device's statistics were read.
 
+Out of memory is torch's ``torch.OutOfMemoryError``, as on CUDA, so that a loop that
+backs off from a batch too large works unchanged: the device's own RESOURCE_EXHAUSTED
+(an op's program, a DeferAndFuse chunk, a compiled program, a copy to the device) is
+raised as one (`out_of_memory`), and `set_per_process_memory_fraction` sets a limit
+that torchtpu's own count enforces before an op makes an output (`check_room`).
+
 torch 2.13's ``torch.accelerator.empty_cache()`` and ``memory_*`` ask the C++ allocator
 of the current accelerator, which a Python backend cannot provide (an INTERNAL ASSERT:
 "Allocator for tpu is not a DeviceAllocator"); with tpu the current accelerator,
@@ -29,7 +35,9 @@ of the current accelerator, which a Python backend cannot provide (an INTERNAL A
 
 from __future__ import annotations
 
+import math
 import os
+import re
 
 import torch
 
@@ -40,6 +48,12 @@ from torchtpu.runtime import index_of as _index
 # and the device's own peak at that reset (a TPU's peak cannot be reset, only compared).
 _peaks: dict[int, int] = {}
 _device_peak_at_reset: dict[int, int] = {}
+# Per device index: the bytes `set_per_process_memory_fraction` allows (read by the
+# dispatcher on every op: empty unless a user set one).
+limits: dict[int, int] = {}
+# Outputs smaller than this are not checked against a limit: counting the arrays that
+# exist walks all of them, and an op making less cannot pass a limit by much.
+CHECKED_FROM = 1 << 20
 
 
 def memory_stats(device=None) -> dict:
@@ -114,6 +128,84 @@ def mem_get_info(device=None) -> tuple[int, int]:
         return stats["bytes_limit"] - stats["reserved_bytes.all.current"], stats["bytes_limit"]
     page = os.sysconf("SC_PAGE_SIZE")
     return os.sysconf("SC_AVPHYS_PAGES") * page, os.sysconf("SC_PHYS_PAGES") * page
+
+
+def set_per_process_memory_fraction(fraction: float, device=None) -> None:
+    """As ``torch.cuda.set_per_process_memory_fraction``: an op whose outputs would take
+    the arrays on the device past ``fraction`` of its memory raises
+    ``torch.OutOfMemoryError`` before it runs. Checked by torchtpu's count of the arrays
+    that exist, for ops making 1 MiB or more; in DeferAndFuse as each op is recorded
+    (values of the queue not computed yet are not counted)."""
+    if not isinstance(fraction, float):
+        raise TypeError("Invalid type for fraction argument, must be `float`")
+    if not 0 <= fraction <= 1:
+        raise ValueError(f"Invalid fraction value: {fraction}. Allowed range: 0~1")
+    index = _index(device)
+    if fraction == 1.0:
+        limits.pop(index, None)  # the whole device: nothing for the count to check
+    else:
+        limits[index] = int(fraction * mem_get_info(index)[1])
+
+
+def get_per_process_memory_fraction(device=None) -> float:
+    index = _index(device)
+    return limits[index] / mem_get_info(index)[1] if index in limits else 1.0
+
+
+def check_room(nbytes: int, what, device: int) -> None:
+    """Raise torch.OutOfMemoryError if ``nbytes`` more on ``device`` would pass the
+    limit `set_per_process_memory_fraction` set."""
+    limit = limits.get(device)
+    if limit is None or nbytes < CHECKED_FROM:
+        return
+    allocated = memory_allocated(device)
+    if allocated + nbytes > limit:
+        raise torch.OutOfMemoryError(
+            _message(what, nbytes, device, f"{_size(limit)} allowed to this process "
+                     "(set_per_process_memory_fraction)")
+        )  # fmt: skip
+
+
+def out_of_memory(exc: BaseException, what, device: int) -> BaseException:
+    """``exc`` as ``torch.OutOfMemoryError`` where it is the device running out of
+    memory (XLA's RESOURCE_EXHAUSTED), else ``exc`` itself."""
+    text = str(exc)
+    if "RESOURCE_EXHAUSTED" not in text or isinstance(exc, torch.OutOfMemoryError):
+        return exc
+    error = torch.OutOfMemoryError(_message(what, _asked(text), device, text.splitlines()[0]))
+    error.__cause__ = exc
+    return error
+
+
+def _asked(text: str) -> int | None:
+    """The bytes an XLA out-of-memory message says were asked for, where it says."""
+    match = re.search(r"allocating (\d+) bytes", text)
+    if match:
+        return int(match.group(1))
+    match = re.search(r"allocate ([\d.]+)([KMGT])", text)  # TPU: "allocate 1.00G"
+    if match:
+        return int(float(match.group(1)) * 1024 ** ("KMGT".index(match.group(2)) + 1))
+    return None
+
+
+def _size(nbytes: int | None) -> str:
+    if nbytes is None:
+        return "an unknown size"
+    if nbytes < 1 << 20:
+        return f"{nbytes} bytes"
+    power = min(int(math.log(nbytes, 1024)), 4)  # 2 .. 4
+    return f"{nbytes / 1024**power:.2f} {dict(enumerate('KMGT', 1))[power]}iB"
+
+
+def _message(what, nbytes: int | None, device: int, why: str) -> str:
+    allocated = memory_allocated(device)
+    total = mem_get_info(device)[1]
+    return (
+        f"tpu out of memory: {what} tried to allocate {_size(nbytes)}. tpu:{device} has a "
+        f"total capacity of {_size(total)}, of which {_size(allocated)} is allocated by "
+        f"tensors; {why.rstrip('.')}. Free the tensors you no longer need (del) or use a "
+        "smaller batch."
+    )
 
 
 def empty_cache() -> None:

@@ -47,7 +47,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from torchtpu import rng, tracing
+from torchtpu import memory, rng, tracing
 from torchtpu.dispatch import checks, defer, modes
 from torchtpu.dispatch.values import materialize
 from torchtpu.observe import metrics, progress
@@ -134,6 +134,11 @@ class Program:
                 self._over_mesh(need.devices)
                 traced = None
                 outputs, flags = self._jitted(static, seed, offset, *arrays)
+            except Exception as exc:
+                error = memory.out_of_memory(exc, f"a compiled {self.kind}", device)
+                if error is exc:
+                    raise
+                raise error from exc
         if traced is None:
             # A new signature: this call traced and compiled (or loaded from JAX's
             # persistent cache) a program. The seconds include its first run.

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from torchtpu import config, tracing
+from torchtpu import config, memory, tracing
 from torchtpu.dispatch import checks
 from torchtpu.dispatch.pending import Pending
 from torchtpu.dispatch.scalars import as_array
@@ -338,8 +338,11 @@ def _run_or_invalidate(q: _Queue, reason: str, needed=()) -> dict:
     try:
         return _run(q, reason, needed)
     except BaseException as exc:
-        _invalidate(q.outputs, exc)
-        raise
+        error = memory.out_of_memory(exc, f"a DeferAndFuse chunk of {len(q.plans)} ops", q.device)
+        _invalidate(q.outputs, error)
+        if error is exc:
+            raise
+        raise error from exc
 
 
 def _invalidate(outputs: list, error: BaseException) -> None:

@@ -9,12 +9,13 @@ wrapped from metadata the plan computed once.
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 
 import torch
 
-from torchtpu import config, dtypes, rng, tracing
+from torchtpu import config, dtypes, memory, rng, tracing
 from torchtpu import matmul_precision as _precision
 from torchtpu.dispatch import checks, defer, host, modes
 from torchtpu.dispatch import meta as oracle
@@ -105,6 +106,8 @@ def lowered_handler(entry: Entry):
         device = call.device
         if device is None:
             device = _factory_device(info, values)
+        if memory.limits:  # set_per_process_memory_fraction
+            memory.check_room(_output_bytes(plan), op, device or 0)
         single = plan.single
         if plan.fast and not device:
             # The usual op: one new tensor, nothing written back, checked or drawn.
@@ -119,7 +122,7 @@ def lowered_handler(entry: Entry):
                 else:
                     value = None
             except Exception as exc:
-                raise add_context(exc, op, values) from None
+                raise add_context(memory.out_of_memory(exc, op, device or 0), op, values) from None
             if value is not None:
                 out, meta = plan.fresh[single]
                 shape, strides, dtype = out
@@ -136,7 +139,8 @@ def lowered_handler(entry: Entry):
                 call = scan(op, op_rules, values)
                 outputs, bases = _execute(plan, call, device, False)
         except Exception as exc:
-            raise add_context(_as_torch_error(exc, op, info, values), op, values) from None
+            exc = memory.out_of_memory(_as_torch_error(exc, op, info, values), op, device or 0)
+            raise add_context(exc, op, values) from None
         if bases:
             storages = call.storages
             for slot, base in zip(plan.written_slots, bases):
@@ -365,6 +369,10 @@ def _assemble(plan: Plan, values, outputs, device: int):
     if not results:
         return None
     return tuple(results)
+
+
+def _output_bytes(plan: Plan) -> int:
+    return sum(math.prod(shape) * dtype.itemsize for shape, dtype in plan.avals)
 
 
 def _as_torch_error(exc: Exception, op, info: SchemaInfo, values) -> Exception:
