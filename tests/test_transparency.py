@@ -85,6 +85,41 @@ def test_many_shapes_compiled_once_each_do_not_warn():
     assert _caught(loop) == []
 
 
+def test_a_first_step_compiling_many_shapes_once_each_does_not_warn():
+    """A first step may compile one op in many shapes from one line (a MobileNet's
+    model(x): 64 batch norms); later steps compile none. No warning: the compiles are
+    all in the step's first epoch (it warned "keeps compiling" at 8 x the limit)."""
+    norms = [torch.nn.BatchNorm1d(c).to("tpu") for c in range(1, 41)]  # 40 shapes
+    xs = [torch.randn(4, c).to("tpu") for c in range(1, 41)]
+    opt = torch.optim.SGD([p for n in norms for p in n.parameters()], lr=0.1)
+
+    def steps():
+        for _ in range(3):
+            loss = sum(norm(x).square().mean() for norm, x in zip(norms, xs))  # one line
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        loss.item()
+
+    assert [w for w in _caught(steps) if w.category is torchtpu.TPURecompileWarning] == []
+
+
+def test_a_line_compiling_in_every_step_warns_without_reads():
+    """Steps end at optimizer.step() too: a loop that never reads a value but compiles a
+    new shape in every step warns."""
+    w = torch.zeros(3, device="tpu", requires_grad=True)
+    opt = torch.optim.SGD([w], lr=0.1)
+
+    def steps():
+        for n in range(1, 9):
+            (torch.ones(n, 3, device="tpu") * w).sum().backward()  # a new shape each step
+            opt.step()
+            opt.zero_grad()
+
+    caught = [x for x in _caught(steps) if x.category is torchtpu.TPURecompileWarning]
+    assert len(caught) == 1 and caught[0].filename == __file__
+
+
 def test_deferred_chunk_recompiles_warn_with_the_op_that_changed():
     xs = [torch.ones(n, 2).to("tpu") for n in range(1, 7)]
 
