@@ -23,9 +23,9 @@ until it is written, and a DeferAndFuse value none until its chunk runs;
 
 Out of memory is torch's ``torch.OutOfMemoryError``, as on CUDA, so that a loop that
 backs off from a batch too large works unchanged: the device's own RESOURCE_EXHAUSTED
-(an op's program, a DeferAndFuse chunk, a compiled program, a copy to the device) is
-raised as one (`out_of_memory`), and `set_per_process_memory_fraction` sets a limit
-that torchtpu's own count enforces before an op makes an output (`check_room`).
+(an op's program, a DeferAndFuse chunk, a compiled program) is raised as one
+(`out_of_memory`), and `set_per_process_memory_fraction` sets a limit that torchtpu's
+own count enforces before an eager op makes an output (`check_room`).
 
 torch 2.13's ``torch.accelerator.empty_cache()`` and ``memory_*`` ask the C++ allocator
 of the current accelerator, which a Python backend cannot provide (an INTERNAL ASSERT:

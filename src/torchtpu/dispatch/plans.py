@@ -106,7 +106,7 @@ def lowered_handler(entry: Entry):
         device = call.device
         if device is None:
             device = _factory_device(info, values)
-        if memory.limits:  # set_per_process_memory_fraction
+        if memory.limits and tracing._active is None:  # set_per_process_memory_fraction
             memory.check_room(_output_bytes(plan), op, device or 0)
         single = plan.single
         if plan.fast and not device:

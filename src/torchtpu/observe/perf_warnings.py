@@ -42,7 +42,8 @@ class TPUFlushWarning(TPUPerformanceWarning):
     """DeferAndFuse flushes its queue from the same line again and again."""
 
 
-# Reads of values so far: the clock of Note [What counts as recompiling].
+# Reads of values and optimizer steps so far: the clock of Note [What counts as
+# recompiling].
 epoch = 0
 
 # (kind, user line) -> [compiles, epochs with a compile, epoch of the last, last key,
