@@ -1999,17 +1999,22 @@ def test_cpu_flash_attention_returns_the_logsumexp(case):
 
 
 @pytest.mark.parametrize(
-    "mode,antialias", [("bilinear", False), ("bilinear", True), ("bicubic", True)]
+    "mode,antialias",
+    [("bilinear", False), ("bilinear", True), ("bicubic", True), ("bicubic", False)],
 )
 def test_uint8_resizes_round_as_the_cpu_kernel(mode, antialias):
     # Note [uint8 resizing in fixed point]: exact, up and down, either align_corners,
-    # several channel counts (the CPU takes another code path above 4).
+    # several channel counts (the CPU takes another code path above 4), tiny images
+    # (uint8 bicubic without antialiasing differed by up to 17: computed in float and
+    # truncated, and its edge taps are the float kernel's, not a normalised window).
     torch.manual_seed(0)
     for (h, w), size, align_corners, channels in [
         ((5, 7), (10, 14), False, 3),
         ((16, 16), (4, 5), True, 1),
         ((32, 20), (33, 41), False, 6),
         ((9, 9), (9, 4), False, 3),
+        ((2, 3), (5, 1), True, 3),
+        ((8, 8), (13, 5), False, 3),
     ]:
         if antialias and align_corners and mode == "bicubic":
             continue

@@ -125,9 +125,11 @@ def upsample_linear1d(self, output_size, align_corners, scales=None):
 @lowers(aten.upsample_bilinear2d.default)
 def upsample_bilinear2d(self, output_size, align_corners, scales_h=None, scales_w=None):
     if self.dtype == jnp.uint8:
-        return _resize_uint8(
-            self, output_size, align_corners, (scales_h, scales_w), _linear_filter, 2
-        )
+
+        def weights(n, size, scale):
+            return _filter_weights(n, size, align_corners, scale, _linear_filter, 2, False)
+
+        return _resize_uint8(self, output_size, (scales_h, scales_w), weights)
     return _taps(self, output_size, align_corners, (scales_h, scales_w), cubic=False)
 
 
@@ -197,18 +199,37 @@ def _int16_weights(weights):
     return np.trunc(np.where(scaled < 0, scaled - 0.5, scaled + 0.5)).astype(np.int32), precision
 
 
-def _resize_uint8(self, output_size, align_corners, scales, filter_fn, taps, antialias=False):
-    """Note [uint8 resizing in fixed point]."""
+def _keys_cubic_weights(size_in, size_out, align_corners, scale):
+    """The (size_out, size_in) float64 weights of one axis of torch's uint8 bicubic resize
+    without antialiasing (_compute_indices_min_size_weights): Keys' cubic (A = -0.75) at
+    the float kernel's source index, the taps past an edge added to the edge's weight
+    (the float kernel reads the edge pixel there), not normalised."""
+    if align_corners:
+        ratio = (size_in - 1) / (size_out - 1) if size_out > 1 else 0.0
+    elif scale is not None and scale > 0:
+        ratio = 1.0 / scale
+    else:
+        ratio = size_in / size_out
+    cubic = _cubic_filter(-0.75)
+    weights = np.zeros((size_out, size_in))
+    for i in range(size_out):
+        real = ratio * i if align_corners else ratio * (i + 0.5) - 0.5
+        index = min(math.floor(real), size_in - 1)
+        fraction = min(max(real - index, 0.0), 1.0)
+        for j in range(4):
+            weights[i, min(max(index - 1 + j, 0), size_in - 1)] += cubic(j - 1 - fraction)
+    return weights
+
+
+def _resize_uint8(self, output_size, scales, axis_weights):
+    """Note [uint8 resizing in fixed point]; ``axis_weights(size_in, size_out, scale)``
+    is one axis's (size_out, size_in) float weights."""
     x = self
     for i in reversed(range(2)):
         axis = self.ndim - 2 + i
         if x.shape[axis] == output_size[i]:
             continue
-        weights, precision = _int16_weights(
-            _filter_weights(
-                x.shape[axis], output_size[i], align_corners, scales[i], filter_fn, taps, antialias
-            )
-        )
+        weights, precision = _int16_weights(axis_weights(x.shape[axis], output_size[i], scales[i]))
         moved = jnp.moveaxis(x.astype(jnp.int32), axis, -1)
         total = jnp.matmul(moved, jnp.asarray(weights.T), precision=lax.Precision.HIGHEST)
         rounded = (total + (1 << (precision - 1))) >> precision
@@ -225,6 +246,12 @@ def upsample_trilinear3d(
 
 @lowers(aten.upsample_bicubic2d.default)
 def upsample_bicubic2d(self, output_size, align_corners, scales_h=None, scales_w=None):
+    if self.dtype == jnp.uint8:
+
+        def weights(n, size, scale):
+            return _keys_cubic_weights(n, size, align_corners, scale)
+
+        return _resize_uint8(self, output_size, (scales_h, scales_w), weights)
     return _taps(self, output_size, align_corners, (scales_h, scales_w), cubic=True)
 
 
@@ -319,7 +346,11 @@ def _antialiased(self, op, output_size, align_corners, scales, filter_fn, taps, 
     kernel (Note [uint8 resizing in fixed point]), floats as one product with each
     axis's (size_out, size_in) ``weights(size_in, size_out, scale, real)``."""
     if self.dtype == jnp.uint8:
-        return _resize_uint8(self, output_size, align_corners, scales, filter_fn, taps, True)
+
+        def uint8_weights(n, size, scale):
+            return _filter_weights(n, size, align_corners, scale, filter_fn, taps, True)
+
+        return _resize_uint8(self, output_size, scales, uint8_weights)
     if not jnp.issubdtype(self.dtype, jnp.floating):
         unsupported.refuse(f"{op}: integer input", f" (got {self.dtype})")
     compute = opmath_dtype(self.dtype)
