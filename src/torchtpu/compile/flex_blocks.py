@@ -162,10 +162,11 @@ def _vmap_gathered(fn, scores: bool, extra: int = 0, buffers: int = 0, out_dims=
 
 
 def _scores(query, key, score_mod, block_mask, scale, at, score_buffers, mask_buffers):
-    """(scores, scores after score_mod and the masks), both [B, H, QB, Q_BLOCK_SIZE, N],
-    in torch's working precision."""
+    """(scores, scores after score_mod and the masks), both [B, H, QB, Q_BLOCK_SIZE, N]
+    in torch's working precision, the mask kept, and the gathered keys."""
     precision = torch.float64 if query.dtype == torch.float64 else torch.float32
-    scores = at.rows(query).to(precision) @ at.keys(key).to(precision).transpose(-2, -1)
+    keys = at.keys(key)
+    scores = at.rows(query).to(precision) @ keys.to(precision).transpose(-2, -1)
     score_mod = _vmap_gathered(score_mod, True, buffers=len(score_buffers))
     mask_mod = _vmap_gathered(block_mask[-1], False, buffers=len(mask_buffers))
     with TransformGetItemToIndex():
@@ -173,7 +174,7 @@ def _scores(query, key, score_mod, block_mask, scale, at, score_buffers, mask_bu
         keep = mask_mod(at.b, at.h, at.q, at.kv, *mask_buffers) & at.valid()
         modded = score_mod(scores, at.b, at.h, at.q, at.kv, *score_buffers)
         minus_inf = torch.tensor(-math.inf, dtype=precision, device=scores.device)
-        return scores, torch.where(keep, modded, minus_inf), keep
+        return scores, torch.where(keep, modded, minus_inf), keep, keys
 
 
 def _heads_and_batch(query, key, value):
@@ -197,7 +198,7 @@ def forward(query, key, value, score_mod, block_mask, scale, kernel_options, sco
         )
     key, value = _heads_and_batch(query, key, value)
     at = _Gathered(block_mask, most, query.shape[:3], key.size(2))
-    _, modded, _ = _scores(query, key, score_mod, block_mask, scale, at, score_buffers, mask_buffers)
+    _, modded, _, _ = _scores(query, key, score_mod, block_mask, scale, at, score_buffers, mask_buffers)
     lse = modded.logsumexp(-1)
     lse = torch.where(torch.all(modded == -math.inf, dim=-1), -math.inf, lse)
     max_scores = modded.max(-1)[0]
@@ -241,7 +242,9 @@ def backward(
     # logsumexp and its gradient in log2 (the forward op's), back to natural logs.
     logsumexp = at.rows(logsumexp.unsqueeze(-1)).squeeze(-1) * math.log(2)
     grad_logsumexp = at.rows(grad_logsumexp.unsqueeze(-1)).squeeze(-1) / math.log(2)
-    scores, modded, keep = _scores(query, key, fw_graph, block_mask, scale, at, score_buffers, mask_buffers)
+    scores, modded, keep, keys = _scores(
+        query, key, fw_graph, block_mask, scale, at, score_buffers, mask_buffers
+    )
     weights = torch.exp(modded - logsumexp.unsqueeze(-1))
     weights = torch.where((logsumexp == -math.inf).unsqueeze(-1), 0, weights)
 
@@ -261,7 +264,7 @@ def backward(
             scores, at.b, at.h, at.q, at.kv, grad_modded, *score_buffers
         )
     grad_scores = torch.where(keep, (grad_scores * scale).to(query.dtype), 0)
-    grad_query = at.unrows(grad_scores @ at.keys(key))
+    grad_query = at.unrows(grad_scores @ keys)
     grad_key = at.add_back(grad_scores.transpose(-2, -1) @ at.rows(query), key)
 
     groups = query.size(1) // kv_heads

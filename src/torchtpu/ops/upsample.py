@@ -162,12 +162,7 @@ def _filter_weights(size_in, size_out, align_corners, scale, filter_fn, taps, an
     """The (size_out, size_in) float64 weights of one axis, as the kernels of the
     antialiased and the uint8 resizes compute them (_compute_indices_min_size_weights_aa):
     the filter over the taps in range, normalised to sum to one per output."""
-    if align_corners:
-        ratio = (size_in - 1) / (size_out - 1) if size_out > 1 else 0.0
-    elif scale is not None and scale > 0:
-        ratio = 1.0 / scale
-    else:
-        ratio = size_in / size_out
+    ratio = _scale(size_in, size_out, align_corners, scale, float)
     delta = 0.5 if align_corners and not antialias else 0.0
     support = taps * 0.5
     if antialias and ratio >= 1.0:  # widened to the scale when downsampling
@@ -204,12 +199,7 @@ def _keys_cubic_weights(size_in, size_out, align_corners, scale):
     without antialiasing (_compute_indices_min_size_weights): Keys' cubic (A = -0.75) at
     the float kernel's source index, the taps past an edge added to the edge's weight
     (the float kernel reads the edge pixel there), not normalised."""
-    if align_corners:
-        ratio = (size_in - 1) / (size_out - 1) if size_out > 1 else 0.0
-    elif scale is not None and scale > 0:
-        ratio = 1.0 / scale
-    else:
-        ratio = size_in / size_out
+    ratio = _scale(size_in, size_out, align_corners, scale, float)
     cubic = _cubic_filter(-0.75)
     weights = np.zeros((size_out, size_in))
     for i in range(size_out):
