@@ -39,3 +39,18 @@ def test_attention_benchmark_fills_its_row():
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
     (row,) = [line for line in run.stdout.splitlines() if line.startswith("| 512 ")]
     assert row.count(" ms ") == 2 and "MiB" in row, run.stdout
+
+
+def test_step_profile_counts_one_read_a_step(tmp_path):
+    run = subprocess.run(
+        [sys.executable, "benchmarks/step_profile.py", "--workloads", "mlp",
+         "--paths", "jax,strict,jit", "--profile", str(tmp_path)],
+        cwd=ROOT, capture_output=True, text=True, timeout=900,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
+    rows = [line.split("|") for line in run.stdout.splitlines() if line.startswith("| mlp ")]
+    assert [r[2].strip() for r in rows] == ["jax", "strict", "jit"], run.stdout
+    # Each step reads its loss once: the pending checks' flags come in the same read.
+    assert [r[5].strip() for r in rows[1:]] == ["1", "1"], run.stdout
+    assert sorted(os.listdir(tmp_path)) == ["mlp_jax.txt", "mlp_jit.txt", "mlp_strict.txt"]

@@ -866,6 +866,57 @@ def test_a_loop_reading_its_loss_flushes_once_per_step(read):
     assert torchtpu.metrics()["compiles"]["chunk"] <= 3  # the first steps differ, then one
 
 
+@pytest.mark.parametrize("how", ["strict", "defer", "compile", "jit"])
+def test_a_step_reading_its_loss_waits_for_the_device_once(how):
+    # Cross-entropy leaves a check of its class bounds pending: its flag is read in the
+    # same round trip as the loss (each trip ~0.4 ms on a TPU), and the losses are the CPU's.
+    def losses(device):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+        model.to(device)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        x, y = torch.randn(32, 8).to(device), torch.randint(0, 4, (32,)).to(device)
+
+        def step():
+            opt.zero_grad()
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+            loss.backward()
+            opt.step()
+            return loss
+
+        if device == "tpu" and how == "compile":
+            model.compile(backend="tpu")
+        if device == "tpu" and how == "jit":
+            step = torchtpu.jit(step)
+        values = [step().item() for _ in range(3)]
+        torchtpu.reset_metrics()
+        values += [step().item() for _ in range(3)]
+        return values, torchtpu.metrics().get("reads", {}).get("waits", 0)
+
+    expected, _ = losses("cpu")
+    with torch.tpu.set_eager_mode("defer" if how == "defer" else "strict"):
+        actual, waits = losses("tpu")
+    assert actual == pytest.approx(expected, rel=1e-5, abs=1e-6)
+    assert waits == 3
+
+
+@pytest.mark.parametrize(
+    "dtype",
+    [torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2, torch.bool, torch.int64, torch.complex64],
+)
+def test_a_small_read_with_a_check_pending_keeps_its_dtype(dtype):
+    # A value read together with a pending check's flag comes through NumPy: its dtype and
+    # values are the CPU's, and a failed check still raises instead of returning it.
+    cpu = torch.arange(-3, 5).to(dtype)
+    x = cpu.to("tpu")
+    index = torch.tensor([2, 0, 7])
+    picked = x[index.to("tpu")]
+    assert torch.equal(picked.cpu(), cpu[index])
+    assert picked[0].item() == cpu[index][0].item()
+    with pytest.raises(IndexError):
+        x[torch.tensor([8], device="tpu")].cpu()
+
+
 def test_a_full_queue_is_cut_where_the_loop_repeats(monkeypatch):
     monkeypatch.setattr(torchtpu.config, "defer_max_ops", 64)
     torch.manual_seed(0)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from torchtpu import tracing
+from torchtpu import dtypes, tracing
 from torchtpu.observe import metrics, perf_warnings
 from torchtpu.runtime import device, jax, platform, policy
 
@@ -36,29 +36,44 @@ def to_device(cpu_tensor: torch.Tensor, index: int):
     return array
 
 
-def to_host(array) -> torch.Tensor:
-    """A CPU tensor holding a copy of ``array``'s values (waits for them). The
-    dispatcher raises failed value checks first (dispatch/values.py ``to_host``)."""
+def note_read(array) -> None:
+    """Account for reading ``array``'s values on the host (refused inside a trace)."""
     if tracing._active is not None and isinstance(array, jax().core.Tracer):
         tracing.refuse("reading a tensor's values (.item(), .cpu(), print, bool(), ...)")
     perf_warnings.note_read()
+    metrics.count("transfer_bytes", "to_host", array.size * array.dtype.itemsize)
+
+
+def to_host(array) -> torch.Tensor:
+    """A CPU tensor holding a copy of ``array``'s values (waits for them). The
+    dispatcher raises failed value checks first (dispatch/checks.py ``to_host``)."""
+    note_read(array)
     jx = jax()
     (dev,) = array.devices()
     if dev.platform != "cpu":
         array = jx.device_put(array, jx.local_devices(backend="cpu")[0])
-    host = torch.from_dlpack(array).clone()
-    metrics.count("transfer_bytes", "to_host", host.numel() * host.element_size())
-    return host
+    metrics.count("reads", "waits")
+    return torch.from_dlpack(array).clone()
 
 
-def item(array):
-    """The Python number held by the one-element ``array`` (waits for it): as
-    ``to_host(array).item()``, without making a CPU tensor on the way."""
-    if tracing._active is not None and isinstance(array, jax().core.Tracer):
-        tracing.refuse("reading a tensor's values (.item(), .cpu(), print, bool(), ...)")
-    perf_warnings.note_read()
-    metrics.count("transfer_bytes", "to_host", array.dtype.itemsize)
-    return array.item()
+# Values up to this size are read as NumPy arrays together with the flags of pending
+# checks (dispatch/checks.py): a loss, a metric, a printed tensor. Larger ones take
+# to_host's path after the flags: their copy dominates, and a NumPy read would leave a
+# host copy cached on the JAX array for as long as it lives.
+_READ_WITH_CHECKS_BYTES = 1 << 16
+
+
+def reads_with_checks(array) -> bool:
+    """Whether ``array`` is read in one round trip with the pending checks' flags."""
+    return array.size * array.dtype.itemsize <= _READ_WITH_CHECKS_BYTES
+
+
+def from_numpy(value: np.ndarray) -> torch.Tensor:
+    """A CPU tensor of a value `read_all` returned (a copy: NumPy's may be read-only)."""
+    if value.dtype.isbuiltin == 2:  # ml_dtypes' bfloat16, float8_*: torch reads their bits
+        bits = np.ascontiguousarray(value).view(f"u{value.dtype.itemsize}")
+        return torch.from_numpy(bits.copy()).view(dtypes.to_torch(value.dtype))
+    return torch.from_numpy(np.array(value, copy=True))
 
 
 def read_all(arrays: list) -> list:
@@ -70,6 +85,7 @@ def read_all(arrays: list) -> list:
     (``copy_to_host_async``, 10-15 us an array there, paid at every read of a value
     that has a check pending). Elsewhere all copies are started first, so they
     overlap."""
+    metrics.count("reads", "waits")
     if platform() == "cpu":
         return [np.asarray(a) for a in arrays]
     return jax().device_get(list(arrays))
