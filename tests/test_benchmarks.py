@@ -54,3 +54,20 @@ def test_step_profile_counts_one_read_a_step(tmp_path):
     # Each step reads its loss once: the pending checks' flags come in the same read.
     assert [r[5].strip() for r in rows[1:]] == ["1", "1"], run.stdout
     assert sorted(os.listdir(tmp_path)) == ["mlp_jax.txt", "mlp_jit.txt", "mlp_strict.txt"]
+
+
+def test_first_steps_benchmark_fills_its_rows():
+    run = subprocess.run(
+        [sys.executable, "benchmarks/first_steps.py", "--tiny", "--workloads", "mlp",
+         "--paths", "cpu,strict"],
+        cwd=ROOT, capture_output=True, text=True, timeout=900,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
+    rows = {line.split("|")[2].strip(): line.split("|") for line in run.stdout.splitlines()
+            if line.startswith("| mlp ")}  # fmt: skip
+    assert set(rows) == {"cpu", "strict"}, run.stdout
+    strict = rows["strict"]
+    # cold and warm first steps, the programs the cold one compiled
+    assert strict[3].strip().endswith(" s") and strict[4].strip().endswith(" s"), run.stdout
+    assert int(strict[6]) > 0, run.stdout
