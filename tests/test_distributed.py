@@ -1053,6 +1053,33 @@ def test_init_after_jax_started_says_what_to_do(tmp_path):
         assert kind == "RuntimeError" and "before any tpu tensor is created" in message
 
 
+CUDA_ORDER = (
+    PRELUDE
+    + r"""
+local_rank = int(os.environ["LOCAL_RANK"])
+# The order of CUDA scripts (and TorchTitan's): count and select the device first.
+check("before")(lambda: [torch.tpu.device_count(), torch.tpu.set_device(local_rank),
+                         torch.tpu.current_device()])
+check("init")(lambda: dist.init_process_group("tpu", device_id=torch.device("tpu", 0)))
+x = torch.ones(2, device="tpu") * (dist.get_rank() + 1)
+dist.all_reduce(x)
+dist.barrier()
+check("after")(lambda: [x.tolist(), str(x.device), torch.tpu.device_count()])
+report()
+"""
+)
+
+
+def test_device_count_and_set_device_before_init_process_group(tmp_path):
+    # Note [One device per launched process]: neither starts JAX as a single process.
+    rc, output, _, results = launch(tmp_path, CUDA_ORDER, timeout=120)
+    assert rc == 0, output[-3000:]
+    for r in (0, 1):
+        assert results[r]["before"] == ["ok", [1, None, 0]], results[r]
+        assert results[r]["init"][0] == "ok", results[r]
+        assert results[r]["after"] == ["ok", [[3.0, 3.0], "tpu:0", 1]], results[r]
+
+
 SPAWNED = r"""
 import json, os, sys
 import torch

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import warnings
 
 import pytest
@@ -89,6 +90,71 @@ def test_bf16_mixed_autocasts_on_tpu():
     _assert_same_fit(tpu_run, cpu_run, atol=2e-2, rtol=2e-2)
 
 
-def test_devices_beyond_the_process_are_a_clear_error():
-    with pytest.raises(ValueError, match=r"devices=\[0, 1, 2, 3, 4\].*tpu device"):
-        L.Trainer(accelerator="torchtpu", devices=5, logger=False)
+def test_a_device_beyond_the_process_is_a_clear_error():
+    with pytest.raises(ValueError, match=r"devices=\[3\].*tpu device"):
+        L.Trainer(accelerator="torchtpu", devices=[3], logger=False)
+
+
+_DDP_FIT = r"""
+import json, os, sys
+import torch
+import lightning as L
+import torchtpu.lightning  # noqa: F401
+
+
+class Regressor(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+
+    def training_step(self, batch, index):
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+accelerator, out = sys.argv[1], sys.argv[2]
+torch.manual_seed(0)
+x, y = torch.randn(64, 8), torch.randn(64, 1)
+loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=8)
+model = Regressor()
+trainer = L.Trainer(accelerator=accelerator, devices=2, max_epochs=2, logger=False,
+                    enable_checkpointing=False, enable_progress_bar=False,
+                    enable_model_summary=False)
+trainer.fit(model, loader)
+if trainer.global_rank == 0:
+    with open(out, "w") as f:
+        json.dump({"strategy": type(trainer.strategy).__name__,
+                   "backend": torch.distributed.get_backend() if torch.distributed.is_initialized() else None,
+                   "device": str(trainer.strategy.root_device),
+                   "params": [p.detach().cpu().flatten().tolist() for p in model.parameters()]}, f)
+"""
+
+
+def test_two_devices_train_with_ddp_as_on_cpu(tmp_path):
+    # Lightning launches the second process itself (its script launcher runs this
+    # script again); no strategy is passed. Against Lightning's DDP on the CPU (gloo).
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "fit.py"
+    script.write_text(_DDP_FIT)
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["PYTHONPATH"] = os.pathsep.join([os.path.join(os.path.dirname(__file__), "..", "src"), env.get("PYTHONPATH", "")])
+    got = {}
+    for accelerator in ("cpu", "torchtpu"):
+        out = tmp_path / f"{accelerator}.json"
+        run = subprocess.run(
+            [sys.executable, str(script), accelerator, str(out)],
+            env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]
+        got[accelerator] = json.loads(out.read_text())
+    tpu, cpu = got["torchtpu"], got["cpu"]
+    assert (tpu["strategy"], tpu["backend"], tpu["device"]) == ("DDPStrategy", "tpu", "tpu:0")
+    assert cpu["backend"] == "gloo"
+    for a, b in zip(tpu["params"], cpu["params"], strict=True):
+        torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=1e-5, atol=1e-6)

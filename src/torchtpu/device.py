@@ -125,6 +125,8 @@ def device_count() -> int:
     """How many devices JAX sees: ``tpu:0`` .. ``tpu:{n-1}``."""
     from torchtpu.runtime import devices
 
+    if runtime.launched_rank() is not None and not runtime.started():
+        return 1  # Note [One device per launched process]
     return len(devices())
 
 
@@ -133,9 +135,21 @@ def current_device() -> int:
 
 
 def set_device(device) -> None:
+    """Note [One device per launched process]
+    A process that a launcher started as one of several (torchrun, Lightning's DDP:
+    ``WORLD_SIZE`` > 1 in its environment) computes on one device, ``tpu:0``, as after
+    ``init_process_group("tpu")`` (docs/distributed.md). CUDA scripts ask for the
+    device count and select their GPU with ``set_device(local_rank)`` before
+    ``init_process_group``; here both answer without starting JAX, which could not
+    join the other processes once started: ``device_count()`` is 1, and
+    ``set_device(LOCAL_RANK)`` selects the process's device, tpu:0."""
     index = _index(device)
-    if not 0 <= index < device_count():
-        raise RuntimeError(f"tpu:{index} does not exist: {device_count()} device(s) available")
+    launched = runtime.launched_rank()
+    count = device_count()
+    if launched is not None and count == 1 and index == launched:
+        index = 0
+    if not 0 <= index < count:
+        raise RuntimeError(f"tpu:{index} does not exist: {count} device(s) available")
     runtime.set_current_index(index)
     _resolve_tpu_on_current_device(index != 0)
 

@@ -20,7 +20,8 @@ Note [Lightning's strategy for a new accelerator]
     ``setup(trainer)`` hook runs before the strategy moves the model and the optimizer
     state to its device, so that is where a CPU root device becomes the tpu device the
     accelerator was given, and the precision plugin's autocast device becomes "tpu".
-    Several devices choose DDP, whose devices come from `get_parallel_devices`.
+    Several devices choose DDP: one process per device, each computing on its tpu:0
+    (`get_parallel_devices`), the gradients all-reduced by the "tpu" process group.
 """
 
 from __future__ import annotations
@@ -36,16 +37,24 @@ NAME = "torchtpu"
 
 
 def _parse_devices(devices: Any) -> list[int]:
-    """Device indices from Trainer's ``devices``: a count, -1 for all, a list, "0,1"."""
-    count = torch.tpu.device_count()
+    """Device indices from Trainer's ``devices``: a count, -1 for all, a list, "0,1".
+
+    Several devices are several processes, one device each (Lightning launches them;
+    Note [One device per launched process] in device.py): their count is not checked
+    here, where asking JAX would start it in this process, which then could not join
+    the others."""
     if isinstance(devices, str):
         text = devices.strip()
         devices = [int(d) for d in text.split(",") if d.strip()] if "," in text else int(text)
     if isinstance(devices, int):
-        devices = list(range(count)) if devices == -1 else list(range(devices))
+        if devices > 1:
+            return list(range(devices))
+        devices = list(range(torch.tpu.device_count())) if devices == -1 else list(range(devices))
     devices = list(devices)
-    missing = [d for d in devices if not 0 <= d < count]
-    if not devices or missing:
+    if len(devices) > 1:
+        return devices
+    count = torch.tpu.device_count()
+    if not devices or not 0 <= devices[0] < count:
         raise ValueError(
             f"Trainer(accelerator={NAME!r}, devices={devices!r}): this process has "
             f"{count} tpu device(s) (tpu:0 .. tpu:{count - 1})"
@@ -58,6 +67,7 @@ def _define(lightning_pytorch) -> type:
     ``pytorch_lightning``), whose base classes it derives from."""
     Accelerator = lightning_pytorch.accelerators.Accelerator
     SingleDeviceStrategy = lightning_pytorch.strategies.SingleDeviceStrategy
+    DDPStrategy = lightning_pytorch.strategies.DDPStrategy
     MixedPrecision = lightning_pytorch.plugins.precision.MixedPrecision
 
     class TPUAccelerator(Accelerator):
@@ -82,6 +92,11 @@ def _define(lightning_pytorch) -> type:
             precision = strategy.precision_plugin
             if isinstance(precision, MixedPrecision) and precision.device != "tpu":
                 precision.device = "tpu"
+            if isinstance(strategy, DDPStrategy):
+                # Lightning's DDPStrategy wraps the model under torch.cuda.stream(...)
+                # whenever it has device ids; DDP needs none for a module on one device
+                # (Lightning moves each batch itself), so it is given none.
+                strategy.determine_ddp_device_ids = lambda: None
 
         def teardown(self) -> None:
             pass
@@ -95,6 +110,8 @@ def _define(lightning_pytorch) -> type:
 
         @staticmethod
         def get_parallel_devices(devices: list[int]) -> list[torch.device]:
+            if len(devices) > 1:  # one process each, whose device is its tpu:0
+                return [torch.device("tpu", 0)] * len(devices)
             return [torch.device("tpu", i) for i in devices]
 
         @staticmethod

@@ -43,6 +43,16 @@ def _op_name(op) -> tuple[str, tuple]:
     return name, ()
 
 
+class _Capabilities:
+    """What torch reads of a backend before it splits or coalesces with it."""
+
+    supports_splitting = False
+    supports_coalescing = False
+
+
+_NO_SPLITTING = _Capabilities()
+
+
 class ProcessGroupTPU(ProcessGroup):
     """A group of processes, each computing on one tpu device.
 
@@ -80,6 +90,14 @@ class ProcessGroupTPU(ProcessGroup):
     @property
     def group_desc(self) -> str:
         return self._group_desc
+
+    # torch asks the group for its C++ backend of a device where one may be split or
+    # coalesced (``init_process_group(..., device_id=...)``, as Lightning's DDP passes
+    # it; ``new_group``): this group is its own backend, and does neither.
+    def _get_backend(self, device):
+        if torch.device(device).type == "tpu":
+            return _NO_SPLITTING
+        return super()._get_backend(device)
 
     # -- the machinery ----------------------------------------------------------------------
 

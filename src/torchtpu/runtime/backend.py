@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import functools
+import os
 import sys
 import threading
 
@@ -46,6 +47,18 @@ def devices() -> tuple:
     process's devices; a process can only compute on its own, so ``tpu:0`` on rank 1
     is rank 1's first device, as ``cuda:0`` is each process's first visible GPU."""
     return tuple(jax().local_devices())
+
+
+def launched_rank() -> int | None:
+    """This process's local rank when a launcher (torchrun, ``mp.spawn`` with the
+    environment set, Lightning's DDP) started it as one of several (``WORLD_SIZE`` > 1),
+    each computing on one device; None otherwise. Read from the environment: it does
+    not start JAX (Note [One device per launched process] in device.py)."""
+    world = os.environ.get("WORLD_SIZE", "")
+    if not world.isdigit() or int(world) <= 1:
+        return None
+    local = os.environ.get("LOCAL_RANK", "0")
+    return int(local) if local.isdigit() else 0
 
 
 def started() -> bool:
