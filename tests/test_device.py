@@ -258,6 +258,22 @@ def test_per_process_memory_fraction_is_a_limit(mode):
         torch.tpu.set_per_process_memory_fraction(1.5)
 
 
+def test_a_copy_to_tpu_past_the_memory_fraction_is_out_of_memory(mode):
+    # As an op's output: the limit is checked before the copy, which then never happens.
+    total = torch.tpu.mem_get_info()[1]
+    allocated = torch.tpu.memory_allocated()
+    kept = torch.arange(4.0, device="tpu")
+    try:
+        torch.tpu.set_per_process_memory_fraction((allocated + (8 << 20)) / total)
+        with pytest.raises(torch.OutOfMemoryError, match=r"a copy of a torch\.float32 tensor of shape \(4194304,\) to tpu tried to allocate 16\.00 MiB"):
+            torch.ones(4 << 20).to("tpu")
+        assert torch.tpu.memory_allocated() <= allocated + (1 << 20)
+    finally:
+        torch.tpu.set_per_process_memory_fraction(1.0)
+    assert kept.tolist() == [0.0, 1.0, 2.0, 3.0]
+    assert torch.ones(4 << 20).to("tpu").sum().item() == 4 << 20
+
+
 def test_torch_accelerator_memory_functions_answer_for_tpu():
     # torch's own need a C++ device allocator, which a Python backend has not (an
     # INTERNAL ASSERT); accelerate calls torch.accelerator.empty_cache() after training.

@@ -25,7 +25,8 @@ Out of memory is torch's ``torch.OutOfMemoryError``, as on CUDA, so that a loop 
 backs off from a batch too large works unchanged: the device's own RESOURCE_EXHAUSTED
 (an op's program, a DeferAndFuse chunk, a compiled program) is raised as one
 (`out_of_memory`), and `set_per_process_memory_fraction` sets a limit that torchtpu's
-own count enforces before an eager op makes an output (`check_room`).
+own count enforces before an eager op makes an output or a CPU tensor is copied to the
+device (`check_room`).
 
 torch 2.13's ``torch.accelerator.empty_cache()`` and ``memory_*`` ask the C++ allocator
 of the current accelerator, which a Python backend cannot provide (an INTERNAL ASSERT:
@@ -131,8 +132,9 @@ def mem_get_info(device=None) -> tuple[int, int]:
 
 
 def set_per_process_memory_fraction(fraction: float, device=None) -> None:
-    """As ``torch.cuda.set_per_process_memory_fraction``: an op whose outputs would take
-    the arrays on the device past ``fraction`` of its memory raises
+    """As ``torch.cuda.set_per_process_memory_fraction``: an op whose outputs (or a copy
+    to the device whose bytes) would take the arrays on the device past ``fraction`` of
+    its memory raises
     ``torch.OutOfMemoryError`` before it runs. Checked by torchtpu's count of the arrays
     that exist, for ops making 1 MiB or more; in DeferAndFuse as each op is recorded
     (values of the queue not computed yet are not counted)."""

@@ -23,12 +23,12 @@ from torchtpu.dispatch.values import (
     materialize,
     move,
     to_host,
+    upload,
     wrap,
 )
 from torchtpu.observe.locations import name_op
 from torchtpu.ops import TABLE
 from torchtpu.runtime import current_index
-from torchtpu.runtime.transfer import to_device
 from torchtpu.tensor import TPUTensor
 
 aten = torch.ops.aten
@@ -106,7 +106,7 @@ def _copy_(func, args, kwargs):
         # The common `cpu_tensor.to("tpu")`: the transferred array becomes the base,
         # nothing to compile. (The host does the dtype conversion, as torch would.)
         host = src.to(dst.dtype)
-        dst._storage.set(to_device(host, dst._storage.device_index))
+        dst._storage.set(upload(host, dst._storage.device_index))
         if host.numel() * host.element_size() <= storage_module.HOST_COPY_BYTES:
             host = host.resolve_conj().resolve_neg().clone()
             storage_module.keep_host_copy(dst._storage, host)

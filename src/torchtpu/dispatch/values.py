@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 import torch
 
-from torchtpu import config, dtypes, storage
+from torchtpu import config, dtypes, memory, storage
 from torchtpu.dispatch import defer, schema
 from torchtpu.dispatch.checks import to_host
 from torchtpu.dispatch.pending import Pending
@@ -24,7 +24,7 @@ from torchtpu.runtime.transfer import to_device
 from torchtpu.storage import Storage
 from torchtpu.tensor import TPUTensor
 
-__all__ = ["OutMeta", "from_cpu", "host_value", "materialize", "move", "to_host", "wrap"]
+__all__ = ["OutMeta", "from_cpu", "host_value", "materialize", "move", "to_host", "upload", "wrap"]
 
 
 class OutMeta(NamedTuple):
@@ -68,8 +68,23 @@ def _on_device(array, device: int, dtype: torch.dtype):
 
 def from_cpu(t: torch.Tensor, index: int) -> TPUTensor:
     """A new TPUTensor holding a copy of CPU tensor ``t``."""
-    array = to_device(t, index)
+    array = upload(t, index)
     return wrap(array, OutMeta(tuple(t.shape), contiguous(t.shape), t.dtype), index)
+
+
+def upload(t: torch.Tensor, index: int):
+    """A JAX array on ``tpu:index`` holding a copy of CPU tensor ``t``; out of memory
+    (the device's, or past ``set_per_process_memory_fraction``) is torch's
+    OutOfMemoryError, as for an op."""
+    what = f"a copy of a {t.dtype} tensor of shape {tuple(t.shape)} to tpu"
+    memory.check_room(t.numel() * t.element_size(), what, index)
+    try:
+        return to_device(t, index)
+    except Exception as exc:
+        error = memory.out_of_memory(exc, what, index)
+        if error is exc:
+            raise
+        raise error from exc
 
 
 def _home(index: int, dtype: torch.dtype):
