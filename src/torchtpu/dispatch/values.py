@@ -76,15 +76,19 @@ def upload(t: torch.Tensor, index: int):
     """A JAX array on ``tpu:index`` holding a copy of CPU tensor ``t``; out of memory
     (the device's, or past ``set_per_process_memory_fraction``) is torch's
     OutOfMemoryError, as for an op."""
-    what = f"a copy of a {t.dtype} tensor of shape {tuple(t.shape)} to tpu"
-    memory.check_room(t.numel() * t.element_size(), what, index)
+    if memory.limits:  # set_per_process_memory_fraction
+        memory.check_room(t.numel() * t.element_size(), _copy_named(t), index)
     try:
         return to_device(t, index)
     except Exception as exc:
-        error = memory.out_of_memory(exc, what, index)
+        error = memory.out_of_memory(exc, _copy_named(t), index)
         if error is exc:
             raise
         raise error from exc
+
+
+def _copy_named(t: torch.Tensor) -> str:
+    return f"a copy of a {t.dtype} tensor of shape {tuple(t.shape)} to tpu"
 
 
 def _home(index: int, dtype: torch.dtype):
