@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -136,10 +139,6 @@ if trainer.global_rank == 0:
 def test_two_devices_train_with_ddp_as_on_cpu(tmp_path):
     # Lightning launches the second process itself (its script launcher runs this
     # script again); no strategy is passed. Against Lightning's DDP on the CPU (gloo).
-    import os
-    import subprocess
-    import sys
-
     script = tmp_path / "fit.py"
     script.write_text(_DDP_FIT)
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}

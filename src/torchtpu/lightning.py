@@ -73,12 +73,6 @@ def _define(lightning_pytorch) -> type:
     class TPUAccelerator(Accelerator):
         """Lightning's accelerator for torchtpu's "tpu" devices."""
 
-        def __init__(self, device: int | torch.device | None = None):
-            super().__init__()
-            # The device a single-device run takes (Note [Lightning's strategy for a
-            # new accelerator]); by default Trainer's first device.
-            self._device = None if device is None else torch.device("tpu", _index(device))
-
         def setup_device(self, device: torch.device) -> None:
             if device.type == "tpu":
                 torch.tpu.set_device(device)
@@ -86,7 +80,7 @@ def _define(lightning_pytorch) -> type:
         def setup(self, trainer) -> None:
             strategy = trainer.strategy
             if type(strategy) is SingleDeviceStrategy and strategy.root_device.type != "tpu":
-                device = self._device or _chosen_device(trainer)
+                device = _chosen_device(trainer)
                 strategy._root_device = device  # where Lightning 2.x keeps it
                 self.setup_device(device)
             precision = strategy.precision_plugin
@@ -143,10 +137,6 @@ def _chosen_device(trainer) -> torch.device:
     if chosen and isinstance(chosen[0], torch.device) and chosen[0].type == "tpu":
         return chosen[0]
     return torch.device("tpu", torch.tpu.current_device())
-
-
-def _index(device: int | torch.device) -> int:
-    return device if isinstance(device, int) else (device.index or 0)
 
 
 def _register() -> type | None:
