@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import os
 import statistics
 import sys
@@ -217,6 +218,11 @@ def measure(step, mode: str | None, steps: int, repeat: int, first_calls: int = 
             step()
         first = time.perf_counter() - start
         step()  # DeferAndFuse's chunks settle (docs/eager-modes.md)
+        # What the first steps left (Dynamo's and AOTAutograd's graphs, traced programs)
+        # is collected now rather than in a timed run. (On the TPU v5e the first timed
+        # run of torch.compile's steps has been slower than the rest: 161 ms a step in
+        # one run, 101 ms in the median of three; docs/performance.md.)
+        gc.collect()
         runs = []
         for _ in range(repeat):
             start = time.perf_counter()

@@ -109,14 +109,14 @@ class _RunFault:
         real = defer._Chunk.__init__
         fault = self
 
-        def chunk_init(chunk, nodes_spec, live, donated):
+        def chunk_init(chunk, nodes_spec, live, donated, device):
             if fault.armed and len(nodes_spec) > 1:
                 fault.armed = False
                 position = random.randrange(len(nodes_spec))
                 plan, refs = nodes_spec[position]
                 nodes_spec = list(nodes_spec)
                 nodes_spec[position] = (_FailingOnce(plan, fault), refs)
-            real(chunk, nodes_spec, live, donated)
+            real(chunk, nodes_spec, live, donated, device)
 
         monkeypatch.setattr(defer._Chunk, "__init__", chunk_init)
 

@@ -590,3 +590,23 @@ def test_jax_scipy_gammainc_in_a_training_loop():
         rtol=1e-5,
         atol=1e-6,
     )
+
+
+def test_a_process_first_tensor_from_jax_runs_ops():
+    """``from_jax`` before any other tpu tensor (a JAX user's first call) loads the
+    dispatcher that tensor's ops need (it raised "'NoneType' object is not callable")."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import jax.numpy as jnp, torchtpu\n"
+        "t = torchtpu.from_jax(jnp.arange(3.0))\n"
+        "print((t[1] + 1).item())\n"
+    )
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "2.0"

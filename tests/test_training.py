@@ -323,3 +323,80 @@ def test_optimizer_step_is_one_foreach_op_per_update():
     for p, before in zip(params, initial):
         torch.testing.assert_close(p.detach().cpu(), before - 0.5)
     torch.testing.assert_close(total.cpu(), torch.tensor(6.0))
+
+
+@pytest.fixture
+def xla_compiles():
+    """How many programs XLA has compiled since the test began: JAX's own count, which
+    sees a compile that none of torchtpu's caches counted (a cached program called
+    with arguments JAX tells apart)."""
+    import jax.monitoring
+
+    count = [0]
+
+    def listener(event, seconds, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration":
+            count[0] += 1
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    yield count
+    jax.monitoring.unregister_event_duration_listener(listener)
+
+
+@pytest.mark.parametrize("how", ["strict", "debug", "defer", "torch.compile"])
+def test_a_repeated_adamw_step_stops_compiling(how, xla_compiles):
+    """Once the optimizer's state exists (step 2; DeferAndFuse's step 2 is a chunk of
+    its own), a step compiles nothing more, by JAX's count. The moments AdamW makes with
+    ``zeros_like`` were *uncommitted* JAX arrays, so its first update and every later
+    one (on the committed moments the update made) were different signatures to JAX:
+    Strict compiled its _foreach_ updates again at step 2, torch.compile its whole
+    optimizer graph (Note [Every array is committed to its device])."""
+    torch.manual_seed(0)
+    hidden = {"strict": 11, "debug": 12, "defer": 14, "torch.compile": 15}[how]  # new programs
+    model = nn.Sequential(nn.Linear(13, hidden), nn.Tanh(), nn.Linear(hidden, 5)).to("tpu")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    x, y = torch.randn(6, 13).to("tpu"), torch.randint(0, 5, (6,)).to("tpu")
+
+    def step():
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        return loss
+
+    mode = "strict" if how == "torch.compile" else how
+    if how == "torch.compile":
+        torch._dynamo.reset()
+        step = torch.compile(step, backend="tpu")
+    compiled_by_step = []
+    with torchtpu.set_eager_mode(mode):
+        for _ in range(4):
+            before = xla_compiles[0]
+            step().item()
+            compiled_by_step.append(xla_compiles[0] - before)
+    assert compiled_by_step[0] > 0
+    settled = 2 if how == "defer" else 1
+    assert compiled_by_step[settled:] == [0] * (4 - settled), compiled_by_step
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda p: torch.zeros_like(p),
+        lambda p: torch.ones_like(p),
+        lambda p: torch.zeros(3, device="tpu"),
+        lambda p: torch.arange(4, device="tpu"),
+        lambda p: torch.randn(2, device="tpu"),
+        lambda p: torch.empty(5, device="tpu")[1:3],
+    ],
+    ids=["zeros_like", "ones_like", "zeros", "arange", "randn", "empty"],
+)
+def test_every_tpu_tensor_array_is_committed(make, mode):
+    """A tpu tensor's JAX array is committed to its device, in every mode, factories
+    included (Note [Every array is committed to its device])."""
+    from torchtpu.dispatch.values import materialize
+
+    p = torch.randn(4).to("tpu")
+    with torchtpu.set_eager_mode(mode):
+        t = make(p)
+        assert materialize(t).committed

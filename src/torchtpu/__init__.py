@@ -101,16 +101,20 @@ def to_jax(tensor: torch.Tensor):
 
 def from_jax(array) -> torch.Tensor:
     """A tpu tensor holding a ``jax.Array`` (no copy). See torchtpu/interop/arrays.py."""
+    from torchtpu.device import load_runtime
     from torchtpu.interop.arrays import from_jax as _from_jax
 
+    load_runtime()  # the tensor may be the process's first: its ops need the dispatcher
     return _from_jax(array)
 
 
 def from_dlpack(obj) -> torch.Tensor:
     """A tpu tensor from any DLPack producer or legacy capsule. See
     torchtpu/interop/arrays.py."""
+    from torchtpu.device import load_runtime
     from torchtpu.interop.arrays import from_dlpack as _from_dlpack
 
+    load_runtime()  # as from_jax
     return _from_dlpack(obj)
 
 

@@ -53,7 +53,7 @@ from torchtpu.dispatch.signature import SCALAR, SCALAR_LIST, TENSOR, TENSOR_LIST
 from torchtpu.dispatch.values import UNKNOWN, OutMeta, contiguous
 from torchtpu.ops import value_checks, view_chains
 from torchtpu.ops.util import cast
-from torchtpu.runtime import jax, policy
+from torchtpu.runtime import jax, policy, sharding
 from torchtpu.storage import DynamicStep
 
 
@@ -75,7 +75,6 @@ class Plan:
         "check_infos",
         "random",
         "compiled",
-        "reads_arrays",
         "uid",
         "traced",
         "key",
@@ -85,7 +84,40 @@ class Plan:
         "host_rule",
         "traced_rule",
         "donating",
+        "placed_calls",
+        "traceable",
     )
+
+    def placed(self, index: int):
+        """The op's program run eagerly on ``tpu:index``, its outputs committed there.
+
+        Note [Every array is committed to its device]
+            A JAX array that a program made from no committed input (a factory such as
+            ``zeros``; or ``zeros_like(p)``, whose program reads nothing of ``p``) is
+            *uncommitted*: free to move to wherever it is first used, and made on JAX's
+            default device whatever tpu index the op was for. JAX's compiled-call cache
+            tells committed inputs from uncommitted ones, so a program first called with
+            an optimizer's fresh ``zeros_like`` moments, then with the moments its own
+            update made, compiled twice, silently (a Strict AdamW step compiled its
+            ``_foreach_`` updates again at step 2; a ``torch.compile``d step its whole
+            optimizer graph, 2.3 s on a TPU v5e). A torch tensor always has its device,
+            so every array a tpu tensor holds is committed to it: an eager op's program
+            places its outputs on the op's device (``out_shardings``: here and in
+            plans.py's donating variants), as do DeferAndFuse's chunks (defer.py
+            `_Chunk`) and the zeros of an uninitialised storage (values.py
+            `_reader`). Inside a compiled program (``plan.traceable``) and on the host
+            (dispatch/host.py) the op is not placed: the program, or the host, decides.
+            Numbers made arrays stay uncommitted (Note [Numbers as arrays]): they belong
+            to no tensor and are always uncommitted, so they never flip a signature. An
+            array the user hands over (``torchtpu.from_jax``) is kept as it is: a
+            committed copy of its handle would share its buffer unseen by the check that
+            lets an in-place op donate it (Note [Strict writes reuse their buffers])."""
+        call = self.placed_calls.get(index)
+        if call is None:
+            call = self.placed_calls[index] = jax().jit(
+                self.fn, out_shardings=sharding(index)
+            )
+        return call
 
 
 def build(op, lowering, info_: SchemaInfo, rules, values: list, call: Call) -> Plan:
@@ -291,9 +323,10 @@ def build(op, lowering, info_: SchemaInfo, rules, values: list, call: Call) -> P
     plan.fn = _named(fn, str(op))
     plan.uid = new_uid()
     plan.traced = False
-    plan.reads_arrays = n_arrays > 0
-    plan.call = jax().jit(plan.fn)
-    plan.donating = {}  # plans.py _donating: its programs by the positions they donate
+    plan.traceable = jax().jit(plan.fn)  # in a compiled program, and on the host
+    plan.placed_calls = {}  # Plan.placed: its eager programs by device
+    plan.call = plan.placed(0)  # eager, on tpu:0 (Note [Every array is committed to its device])
+    plan.donating = {}  # plans.py _donating: its programs by (donated positions, device)
     # What running or recording it needs, computed once.
     plan.fresh = [None if o is None else (o, o.meta) for o in outputs]
     plan.avals = [

@@ -40,7 +40,7 @@ from torchtpu.dispatch.pending import Pending
 from torchtpu.dispatch.scalars import as_array
 from torchtpu.observe import metrics, perf_warnings, progress
 from torchtpu.observe.locations import user_frame
-from torchtpu.runtime import array_type, jax
+from torchtpu.runtime import array_type, jax, sharding
 from torchtpu.tensor import backward_on_calling_thread
 
 
@@ -116,6 +116,11 @@ class FunctionOp:
         self.check_infos = list(check_infos)
         self.compiled = True  # ``call`` runs programs compiled (and counted) elsewhere
         self.names = None  # no schema (see _describe_change)
+
+    def placed(self, index: int):
+        """Plan.placed's counterpart: ``call`` reads the arrays it is given, and its
+        outputs are committed where they are."""
+        return self.call
 
 
 def _queue(device: int) -> _Queue:
@@ -223,7 +228,7 @@ class _Chunk:
 
     __slots__ = ("call", "flag_owners", "compiled")
 
-    def __init__(self, nodes_spec, live, donated: tuple):
+    def __init__(self, nodes_spec, live, donated: tuple, device: int):
         self.flag_owners: list[tuple[int, int]] = []  # (node position, check index) per flag
         self.compiled = False
 
@@ -248,7 +253,10 @@ class _Chunk:
             self.flag_owners = owners
             return tuple(results[n][i] for n, i in live), tuple(flags)
 
-        self.call = jax().jit(chunk, donate_argnums=donated)
+        # Its outputs committed to the queue's device, as every tensor's array is (Note
+        # [Every array is committed to its device] in builder.py): a chunk of factories
+        # alone would otherwise make uncommitted ones.
+        self.call = jax().jit(chunk, donate_argnums=donated, out_shardings=sharding(device))
 
 
 class _NodeError(Exception):
@@ -459,11 +467,11 @@ def _run(q: _Queue, reason: str, needed=()) -> dict:
         order = first + [i for i in range(len(live)) if i not in chosen]
         live = [live[i] for i in order]
         live_pendings = [live_pendings[i] for i in order if i < len(live_pendings)]
-    key = (tuple(q.key), tuple(live), donated)
+    key = (tuple(q.key), tuple(live), donated, q.device)
     chunk = _CHUNKS.lookup(key)
     compiled = chunk is None
     if compiled:
-        chunk = _Chunk(list(zip(q.plans, q.refs)), live, donated)
+        chunk = _Chunk(list(zip(q.plans, q.refs)), live, donated, q.device)
         _CHUNKS.insert(key, chunk)
         where = where or user_frame()
         perf_warnings.note_compile("a DeferAndFuse chunk", where, (q.plans, live), _describe_change)
@@ -482,18 +490,8 @@ def _run(q: _Queue, reason: str, needed=()) -> dict:
     )
     try:
         start = time.perf_counter()
-        if q.device:
-            from torchtpu.runtime import device as jax_device
-
-            with (
-                jax().default_device(jax_device(q.device)),
-                annotate_run(q, reason, where, compiled),
-                compiling,
-            ):
-                values, flags = chunk.call(*inputs)
-        else:
-            with annotate_run(q, reason, where, compiled), compiling:
-                values, flags = chunk.call(*inputs)
+        with annotate_run(q, reason, where, compiled), compiling:  # on q.device: _Chunk
+            values, flags = chunk.call(*inputs)
         if not chunk.compiled:
             chunk.compiled = True
             seconds = time.perf_counter() - start
@@ -542,18 +540,8 @@ def _run_one(q: _Queue, reason: str, where: str | None) -> None:
     compiling = progress.compiling(str(plan.op), where or user_frame()) if compiled else _NOTHING
     try:
         start = time.perf_counter()
-        if q.device:
-            from torchtpu.runtime import device as jax_device
-
-            with (
-                jax().default_device(jax_device(q.device)),
-                annotate_run(q, reason, where, compiled),
-                compiling,
-            ):
-                flat = plan.call(*args)
-        else:
-            with annotate_run(q, reason, where, compiled), compiling:
-                flat = plan.call(*args)
+        with annotate_run(q, reason, where, compiled), compiling:
+            flat = plan.placed(q.device)(*args)
         if compiled:
             plan.compiled = True
             metrics.count("compiles", "op")

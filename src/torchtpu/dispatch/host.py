@@ -60,7 +60,7 @@ def call(plan, args: list, device: int) -> list:
     Python numbers); return its flat results, those of device dtypes on ``tpu:device``."""
     note(plan.op, plan.host_rule)
     with on_host():
-        flat = list(plan.call(*to_host(args)))
+        flat = list(plan.traceable(*to_host(args)))
     kept = policy.host_dtypes()
     target = jax_device(device)
     if target != policy.host_device():

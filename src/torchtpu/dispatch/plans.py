@@ -34,7 +34,7 @@ from torchtpu.dispatch.values import (
 )
 from torchtpu.observe import metrics, perf_warnings, progress
 from torchtpu.observe.locations import add_context, user_frame
-from torchtpu.runtime import array_type, current_index, jax, policy
+from torchtpu.runtime import array_type, current_index, jax, policy, sharding
 from torchtpu.storage import Storage
 from torchtpu.tensor import TPUTensor, tpu_device
 
@@ -188,7 +188,7 @@ def _execute(plan: Plan, call, device: int, debug: bool):
     if traced:  # traced into the program: compiles nothing
         if plan.traced_rule is not None:
             raise host.refused(plan)
-        flat = plan.call(*args) if host_run else _call(plan, args, device)
+        flat = plan.traceable(*args)  # inlined into the program, which places it
         donated = ()
     else:
         # Note [Strict writes reuse their buffers]
@@ -201,10 +201,10 @@ def _execute(plan: Plan, call, device: int, debug: bool):
             _note_fast(plan)
             metrics.count("compiles", "op")
             metrics.count("compile_seconds", "op", time.perf_counter() - start)
-        elif host_run or (device and not plan.reads_arrays):
+        elif host_run or device:
             flat = _call(plan, args, device, donated)
         elif plan.written_arrays:
-            flat = _donating(plan, donated, args)
+            flat = _donating(plan, donated, args, 0)
         else:
             flat = plan.call(*args)
     if donated:
@@ -243,16 +243,9 @@ def _note_fast(plan: Plan) -> None:
 def _call(plan: Plan, args, device: int, donated: tuple = ()):
     if plan.host_rule is not None:
         return host.call(plan, args, device)
-    if device != 0 and not plan.reads_arrays:
-        # Nothing to infer a device from (a factory, an uninitialised storage): run on
-        # the op's device rather than JAX's default.
-        from torchtpu.runtime import device as jax_device
-
-        with jax().default_device(jax_device(device)):
-            return plan.call(*args)
     if plan.written_arrays:
-        return _donating(plan, donated, args)
-    return plan.call(*args)
+        return _donating(plan, donated, args, device)
+    return plan.placed(device)(*args)
 
 
 # sys.getrefcount of a written array that only its storage holds, as `_dead_written`
@@ -288,14 +281,16 @@ def _dead_written(plan: Plan, args: list) -> tuple:
     return tuple(dead)
 
 
-def _donating(plan: Plan, donated: tuple, args: list):
-    """Run an in-place ``plan`` with the arrays at ``donated`` (maybe none) given to
-    XLA for its outputs: each set of positions is a program of its own."""
+def _donating(plan: Plan, donated: tuple, args: list, device: int):
+    """Run an in-place ``plan`` on ``tpu:device`` with the arrays at ``donated`` (maybe
+    none) given to XLA for its outputs: each set of positions is a program of its own."""
     variants = plan.donating
-    call = variants.get(donated)
+    call = variants.get((donated, device))
     if call is None:
-        call = variants[donated] = (
-            jax().jit(plan.fn, donate_argnums=donated) if donated else plan.call
+        call = variants[donated, device] = (
+            jax().jit(plan.fn, donate_argnums=donated, out_shardings=sharding(device))
+            if donated
+            else plan.placed(device)
         )
         if plan.compiled:  # not the plan's first program: counted here
             start = time.perf_counter()

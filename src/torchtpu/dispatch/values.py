@@ -125,31 +125,28 @@ def materialize(t: TPUTensor):
     base = _base(s)
     if not t._chain and base is not None:
         return base
-    reader = _reader(t, base is None)
     if t.dtype in policy.host_dtypes() and s.dtype not in policy.host_dtypes():
         # A float64 view of int64 device memory: read on the host (runtime/policy.py)
         host = policy.host_device()
         if base is None:
-            with jax().default_device(host):
-                return reader()
-        return reader(jax().device_put(base, host))
+            return _reader(t, host)()
+        return _reader(t, None)(jax().device_put(base, host))
     if base is None:
-        if s.device_index != 0 or s.dtype in policy.host_dtypes():
-            with jax().default_device(_home(s.device_index, s.dtype)):
-                return reader()
-        return reader()
-    return reader(base)
+        return _reader(t, _home(s.device_index, s.dtype))()
+    return _reader(t, None)(base)
 
 
-def _reader(t: TPUTensor, uninitialised: bool):
-    """The jitted read of ``t``'s view from its storage's base (of zeros, for an
-    uninitialised storage), compiled once per layout; a view's positions are its
-    arguments (Note [Positions are inputs], signature.py), so ``x[t]`` read for each
-    ``t`` compiles once."""
+def _reader(t: TPUTensor, zeros_on):
+    """The jitted read of ``t``'s view from its storage's base (or, for an uninitialised
+    storage, from zeros made on the JAX device ``zeros_on``, committed there: Note
+    [Every array is committed to its device] in builder.py), compiled once per layout;
+    a view's positions are its arguments (Note [Positions are inputs], signature.py),
+    so ``x[t]`` read for each ``t`` compiles once."""
     s = t._storage
+    uninitialised = zeros_on is not None
     meta, positions = view_chains.meta_without_positions(t._meta) or (t._meta, ())
     chain = meta[4]
-    key = (meta, (s.shape, s.dtype) if uninitialised else None)
+    key = (meta, (s.shape, s.dtype, zeros_on) if uninitialised else None)
     reader = _READERS.lookup(key)
     if reader is None:
         if uninitialised:
@@ -164,7 +161,8 @@ def _reader(t: TPUTensor, uninitialised: bool):
             def read(base, *positions):
                 return view_chains.read(base, chain, positions)
 
-        reader = jax().jit(read)
+        placed = jax().sharding.SingleDeviceSharding(zeros_on) if uninitialised else None
+        reader = jax().jit(read, out_shardings=placed)
         _READERS.insert(key, reader)
         metrics.count("compiles", "read")
     if not positions:
@@ -189,7 +187,7 @@ def queued_value(t: TPUTensor):
             key = (t._meta, s.shape)  # a chunk's key names ops, not the shapes they read
             op = _READ_OPS.lookup(key)
             if op is None:
-                reader = _reader(t, False)
+                reader = _reader(t, None)
 
                 def read(base, reader=reader):
                     return (reader(base),)

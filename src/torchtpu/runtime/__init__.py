@@ -12,6 +12,7 @@ from torchtpu.runtime.backend import (
     launched_rank,
     platform,
     set_current_index,
+    sharding,
     started,
 )
 
@@ -26,5 +27,6 @@ __all__ = [
     "launched_rank",
     "platform",
     "set_current_index",
+    "sharding",
     "started",
 ]

@@ -113,6 +113,18 @@ def device(index: int | None):
     return devs[index]
 
 
+_SHARDINGS: dict = {}
+
+
+def sharding(index: int):
+    """``tpu:index`` as a JAX sharding: a program's outputs placed (committed) there
+    (Note [Every array is committed to its device] in dispatch/builder.py)."""
+    placed = _SHARDINGS.get(index)
+    if placed is None:
+        placed = _SHARDINGS[index] = jax().sharding.SingleDeviceSharding(device(index))
+    return placed
+
+
 def platform() -> str:
     """The JAX backend behind the tpu device: "tpu", "gpu" or "cpu"."""
     return devices()[0].platform
