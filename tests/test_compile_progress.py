@@ -3,6 +3,7 @@ never silent, a short one says nothing, and a setting turns it off."""
 
 from __future__ import annotations
 
+import sys
 import time
 
 import pytest
@@ -74,3 +75,21 @@ def test_one_long_compile_is_reported_while_it_runs(stderr, monkeypatch):
     assert "compiling XLA programs since here: 0 done" in during and "now a slow program" in during
     progress.note_read()
     assert "compiled 1 XLA program in" in stderr.readouterr().err
+
+
+@pytest.mark.parametrize("mode", ["strict", "defer"])
+def test_compile_seconds_are_counted_by_the_line_that_caused_them(mode, monkeypatch):
+    """``metrics()["compile_seconds_by_line"]``: where a first step's compile time went,
+    by user line (issue 32's compile budget), whether or not the progress line shows."""
+    monkeypatch.setattr(config, "compile_progress", False)
+    torchtpu.reset_metrics()
+    with torchtpu.set_eager_mode(mode):
+        y = _new_program(17 + len(mode))  # Strict compiles in _new_program
+        y.sum().item()  # DeferAndFuse compiles the chunk here
+        read = f"{__file__}:{sys._getframe().f_lineno - 1} in "
+    by_line = torchtpu.metrics()["compile_seconds_by_line"]
+    if mode == "strict":
+        assert any(where.endswith(" in _new_program") for where in by_line), by_line
+    else:
+        assert list(by_line) == [read + sys._getframe().f_code.co_name], by_line
+    assert all(seconds > 0 for seconds in by_line.values())

@@ -246,3 +246,67 @@ def test_error_in_a_chunk_names_the_op_and_line_and_spares_other_tensors(deferre
     assert "aten.index.Tensor" in notes and f"{__file__}:{line}" in notes
     assert_same(keep, torch.arange(4.0) + 1)
     assert_same(other, (torch.arange(4.0) + 1) * 2)
+
+
+def test_a_large_step_runs_its_optimizer_as_a_chunk_of_its_own(monkeypatch):
+    """Note [The optimizer's step is a chunk of its own]: a queue of at least
+    ``defer_split_ops`` ops runs when ``optimizer.step()`` begins, so the second step
+    (AdamW's moments exist from then on) compiles only the optimizer's chunk, and the
+    forward and backward chunk compiled in step 1 serves every step."""
+    monkeypatch.setattr(torchtpu.config, "defer_split_ops", 8)
+    torch.manual_seed(0)
+    cpu_model = nn.Sequential(nn.Linear(9, 17), nn.GELU(), nn.Linear(17, 3))
+    x, y = torch.randn(5, 9), torch.randint(0, 3, (5,))
+
+    def run(model, x, y, device):
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+        def step():
+            opt.zero_grad()
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            opt.step()
+            return loss.item()
+
+        if device == "cpu":
+            return [step() for _ in range(4)], []
+        accounts = [torchtpu.explain(step) for _ in range(4)]
+        return [a.result for a in accounts], [a.flushes for a in accounts]
+
+    expected, _ = run(cpu_model, x, y, "cpu")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(9, 17), nn.GELU(), nn.Linear(17, 3)).to("tpu")
+    with torch.tpu.set_eager_mode("defer"):
+        losses, flushes = run(model, x.to("tpu"), y.to("tpu"), "tpu")
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=0, atol=1e-5)
+    for step in flushes:
+        assert [f["reason"] for f in step] == ["optimizer step begins", "optimizer step"]
+    compiled = [[f["ops"] for f in step if f["compiled"]] for step in flushes]
+    forward_backward = flushes[0][0]["ops"]
+    assert len(compiled[0]) == 2 and compiled[2:] == [[], []], compiled
+    (optimizer_chunk,) = compiled[1]  # the second step compiles the optimizer's ops alone
+    assert optimizer_chunk < forward_backward
+
+
+def test_a_large_step_read_before_its_optimizer_compiles_two_chunks(monkeypatch):
+    """The loss read between backward and ``optimizer.step()``: the optimizer's ops run
+    alone at the step's end instead of joining the next step's forward (which made
+    steps 1, 2 and 3 three different chunks)."""
+    monkeypatch.setattr(torchtpu.config, "defer_split_ops", 8)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(9, 19), nn.GELU(), nn.Linear(19, 3)).to("tpu")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    x, y = torch.randn(5, 9).to("tpu"), torch.randint(0, 3, (5,)).to("tpu")
+    compiled = []
+    with torch.tpu.set_eager_mode("defer"):
+        for _ in range(5):
+            before = torchtpu.metrics().get("compiles", {}).get("chunk", 0)
+            opt.zero_grad()
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            loss.item()
+            opt.step()
+            compiled.append(torchtpu.metrics().get("compiles", {}).get("chunk", 0) - before)
+    # step 1: forward and backward, then the optimizer's first step (its state made);
+    # step 2: its later steps; nothing after
+    assert compiled == [2, 1, 0, 0, 0], compiled

@@ -73,6 +73,12 @@ compile_cache_max_bytes: int = int(os.environ.get("TORCHTPU_COMPILE_CACHE_MAX_BY
 #: It also flushes at the end of every ``optimizer.step()``.
 defer_max_ops: int = int(os.environ.get("TORCHTPU_DEFER_MAX_OPS", "512"))
 
+#: A DeferAndFuse queue of at least this many ops when ``optimizer.step()`` begins runs
+#: then, and the optimizer's ops run as a chunk of their own (Note [The optimizer's step
+#: is a chunk of its own] in dispatch/defer.py): the second step, whose optimizer state
+#: exists, then compiles only the optimizer's chunk anew.
+defer_split_ops: int = int(os.environ.get("TORCHTPU_DEFER_SPLIT_OPS", "128"))
+
 #: torch.compile(backend="tpu") captures ``.item()`` into its graphs: Dynamo's
 #: ``capture_scalar_outputs``, set process-wide when the backend loads (Note [Values read
 #: inside a compiled graph]). A user who set Dynamo's own variable,

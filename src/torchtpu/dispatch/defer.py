@@ -32,7 +32,10 @@ import weakref
 
 import numpy as np
 import torch
-from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.optim.optimizer import (
+    register_optimizer_step_post_hook,
+    register_optimizer_step_pre_hook,
+)
 
 from torchtpu import config, memory, tracing
 from torchtpu.dispatch import checks
@@ -82,6 +85,8 @@ class _ThreadQueues(threading.local):
         self.runs_at_step_end = 0  # ... when the last optimizer step ended
         self.full_runs = 0  # chunks run because the queue was full
         self.full_runs_at_step_end = 0
+        self.ops_run = 0  # ops in the chunks this thread has run
+        self.ops_run_at_step_end = 0
 
 
 _threads = _ThreadQueues()
@@ -305,12 +310,42 @@ def _end_of_step(optimizer, args, kwargs) -> None:
     if torch.compiler.is_compiling() or tracing._active is not None:
         return  # a traced step: its ops are in the program, not in a queue
     state = _threads
-    if state.runs == state.runs_at_step_end or state.full_runs != state.full_runs_at_step_end:
+    if (
+        state.runs == state.runs_at_step_end
+        or state.full_runs != state.full_runs_at_step_end
+        # Note [The optimizer's step is a chunk of its own]
+        or state.ops_run - state.ops_run_at_step_end >= config.defer_split_ops
+    ):
         flush("optimizer step")
+    state.ops_run_at_step_end = state.ops_run
     state.runs_at_step_end = state.runs
     state.full_runs_at_step_end = state.full_runs
 
 
+def _start_of_step(optimizer, args, kwargs) -> None:
+    """Before ``optimizer.step()``: a queue of at least ``defer_split_ops`` ops (the
+    forward and backward of a sizeable model) runs now, and the optimizer's ops run as
+    a chunk of their own when its step ends (`_end_of_step`).
+
+    Note [The optimizer's step is a chunk of its own]
+        An optimizer makes its state in its first step (AdamW's moments: ``zeros_like``
+        per parameter), so the first step's ops differ from every later step's. With
+        the optimizer's ops in the step's chunk, the second step compiled a second
+        chunk as large as the first (a Llama's second step cost 0.86x its first; a loop
+        reading its loss before ``optimizer.step()`` compiled three, the optimizer's
+        ops joining the next step's forward). So where the step's other ops are many
+        (``defer_split_ops``: queued when the step begins, or run already by a read),
+        the optimizer's ops are a chunk of their own: the forward and backward chunk is
+        the same every step, and only the optimizer's small chunk compiles twice. It
+        costs a chunk launch a step, so small steps, where a launch is a visible share
+        of the step and compiling is quick, keep one chunk."""
+    if torch.compiler.is_compiling() or tracing._active is not None:
+        return
+    if any(len(q.plans) >= config.defer_split_ops for q in _threads.by_device.values()):
+        flush("optimizer step begins")
+
+
+register_optimizer_step_pre_hook(_start_of_step)
 register_optimizer_step_post_hook(_end_of_step)
 
 
@@ -432,6 +467,7 @@ def _run(q: _Queue, reason: str, needed=()) -> dict:
     ((op, output) pairs), which are outputs of the chunk too."""
     metrics.count("flushes", reason)
     _threads.runs += 1
+    _threads.ops_run += len(q.plans)
     if reason == "queue full":
         _threads.full_runs += 1
     perf_warnings.note_read()

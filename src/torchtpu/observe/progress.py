@@ -25,6 +25,7 @@ import threading
 import time
 
 from torchtpu import config
+from torchtpu.observe import metrics
 
 _EVERY = 10.0  # seconds between two lines of one burst
 _POLL = 0.25  # how often the watcher looks
@@ -41,7 +42,19 @@ def _start_burst(where: str) -> dict:
 
 @contextlib.contextmanager
 def compiling(what: str, where: str):
-    """Around one compile of ``what`` (an op, "a DeferAndFuse chunk", ...) from ``where``."""
+    """Around one compile of ``what`` (an op, "a DeferAndFuse chunk", ...) from ``where``:
+    its seconds counted by user line (``torchtpu.metrics()["compile_seconds_by_line"]``),
+    and the progress line shown while a burst of compiles runs long."""
+    start = time.perf_counter()
+    try:
+        with _shown(what, where):
+            yield
+    finally:
+        metrics.count("compile_seconds_by_line", where or "<unknown>", time.perf_counter() - start)
+
+
+@contextlib.contextmanager
+def _shown(what: str, where: str):
     global _burst
     if not config.compile_progress:
         yield
