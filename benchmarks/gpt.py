@@ -17,14 +17,19 @@ whole step (forward, backward, ``opt.step()``), ``torchtpu.jit(step)``, and the 
 model and AdamW written in JAX under one ``jax.jit`` with donated state (the floor; its
 attention is the one torchtpu picks: JAX's Pallas flash kernels on a TPU where they apply).
 
-Per path: the first step (tracing and compiling; two calls for torchtpu.jit, whose
-first call runs eagerly; in one process, so a later path reuses the eager ops'
-programs an earlier one compiled), the XLA programs torchtpu compiled for it (per-op
-programs, DeferAndFuse chunks, compiled graphs and steps: ``torchtpu.metrics()``),
-then the median seconds per step, tokens per second, the
+Each path runs in a fresh process (``--one-process``: all in this one, so that a later
+path reuses the eager ops' programs an earlier one compiled, and the peak is the
+run's). Per path: the first step, cold (tracing and compiling; two calls for
+torchtpu.jit, whose first call runs eagerly), the XLA programs torchtpu compiled for it
+(per-op programs, DeferAndFuse chunks, compiled graphs and steps:
+``torchtpu.metrics()``), then the median seconds per step, tokens per second, the
 share of the chip's peak (MFU, from nanoGPT's 6N + 12·layers·d·seq FLOPs per token;
-``--peak-tflops``, 197 for a TPU v5e's bfloat16) and the ratio to JAX's step. A path
-that fails (out of memory) prints its error in its row and the others go on.
+``--peak-tflops``, 197 for a TPU v5e's bfloat16), the ratio to JAX's step, and the
+process's peak memory with its ratio to JAX's: the device's peak bytes where JAX
+reports them (TPU, GPU: ``torch.tpu.max_memory_allocated()``, which on a TPU adds the
+bytes reserved for compiled programs' temporaries), else the peak resident memory (JAX's CPU backend keeps
+its arrays in the process; torch and JAX themselves are part of it). A path that fails
+(out of memory) prints its error in its row and the others go on.
 """
 
 from __future__ import annotations
@@ -32,8 +37,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 import traceback
@@ -47,14 +54,16 @@ import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import torchtpu  # noqa: E402
+
+# First steps compile from scratch: no programs from JAX's persistent cache. Set before
+# the imports below, which start torchtpu's runtime (where the cache is configured).
+# (With --one-process, programs an earlier path compiled stay in the process: later
+# paths' first steps reuse the eager ops' programs.)
+torchtpu.config.compile_cache_dir = None
+
 from benchmarks import quiet  # noqa: E402
 from benchmarks.eager_modes import Block, runtime_line  # noqa: E402
 from torchtpu.ops import flash_attention as flash_kernels  # noqa: E402
-
-# First steps compile from scratch: no programs from JAX's persistent cache. (Programs
-# an earlier path of this run compiled stay in the process: later paths' first steps
-# reuse the eager ops' programs. benchmarks/eager_modes.py times cold first steps.)
-torchtpu.config.compile_cache_dir = None
 
 PATHS = ("jax", "strict", "defer", "compile", "jit")  # jax first: the ratios divide by it
 
@@ -208,6 +217,16 @@ def programs_compiled() -> int:
     return sum(torchtpu.metrics().get("compiles", {}).values())
 
 
+def peak_memory() -> int:
+    """Bytes: the device's peak where JAX reports one (TPU, GPU: ``torch.tpu``'s, which
+    counts a TPU's compiled programs' temporaries), else this process's peak resident
+    memory (VmHWM)."""
+    if jax.local_devices()[0].memory_stats():
+        return torch.tpu.max_memory_allocated()
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+
+
 def measure(step, mode: str | None, steps: int, repeat: int, first_calls: int = 1):
     """(seconds of the first ``first_calls`` steps, median seconds per step, programs
     compiled meanwhile)."""
@@ -232,6 +251,40 @@ def measure(step, mode: str | None, steps: int, repeat: int, first_calls: int = 
     return first, statistics.median(runs), programs_compiled() - compiled
 
 
+def run_path(path: str, args) -> tuple[float, float, int, int]:
+    """(first step seconds, median seconds per step, programs compiled, peak bytes) of
+    one path, in this process."""
+    torch._dynamo.reset()
+    if path == "jax":
+        first, per_step, programs = measure(jax_step(args), None, args.steps, args.repeat)
+    else:
+        how = path if path in ("compile", "jit") else "eager"
+        mode = path if path in ("strict", "defer") else "strict"
+        first_calls = 2 if path == "jit" else 1  # the first runs eagerly, then it traces
+        first, per_step, programs = measure(
+            torch_step(args, how), mode, args.steps, args.repeat, first_calls
+        )
+    return first, per_step, programs, peak_memory()
+
+
+def run_child(path: str) -> tuple[float, float, int, int]:
+    """`run_path` in a fresh process: this script again with ``--only path --child``."""
+    argv, skip = [], False
+    for arg in sys.argv[1:]:  # every option but --only
+        if skip or arg == "--only" or arg.startswith("--only="):
+            skip = arg == "--only"
+            continue
+        argv.append(arg)
+    run = subprocess.run(
+        [sys.executable, os.path.abspath(__file__), *argv, "--only", path, "--child"],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    rows = [line[4:] for line in run.stdout.splitlines() if line.startswith("row ")]
+    if run.returncode or not rows:  # the child printed its traceback to stderr
+        raise RuntimeError(f"{path} exited with {run.returncode}: {run.stdout[-150:]}")
+    return tuple(json.loads(rows[-1]))
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=12)
@@ -245,14 +298,18 @@ def main():
     parser.add_argument("--steps", type=int, default=5, help="steps per timed run")
     parser.add_argument("--repeat", type=int, default=3, help="timed runs (median)")
     parser.add_argument("--peak-tflops", type=float, default=197.0)
+    parser.add_argument("--one-process", action="store_true", help="every path in this one")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.tiny:
         args.layers, args.d, args.heads, args.vocab, args.tokens = 2, 64, 4, 512, "4x64"
     args.batch, args.seq = map(int, args.tokens.split("x"))
     args.autocast = args.dtype == "autocast"
     args.param_dtype = torch.float32 if args.autocast else getattr(torch, args.dtype)
+    if args.child:  # one path; its row as JSON after "row "
+        print("row " + json.dumps(run_path(args.only, args)), flush=True)
+        return 0
 
-    print(runtime_line())
     quiet.check_before_start()
     window = quiet.Window()
     flops = flops_per_step(args)
@@ -261,42 +318,44 @@ def main():
         f"vocab {args.vocab}, {args.batch}x{args.seq} tokens, {args.dtype}, AdamW; "
         f"{flops / 1e12:.2f} TFLOP a step\n"
     )
-    print("| path | first step | programs | per step | tokens/s | MFU | vs jax.jit |")
-    print("|---|---|---|---|---|---|---|")
-    rows, floor, failed = {}, None, []
+    print(
+        "| path | first step | programs | per step | tokens/s | MFU | vs jax.jit "
+        "| peak memory | vs jax.jit |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
+    rows, failed = {}, []
     for path in PATHS:
         if path not in args.only.split(","):
             continue
         try:
-            torch._dynamo.reset()
-            if path == "jax":
-                rows[path] = measure(jax_step(args), None, args.steps, args.repeat)
-                floor = rows[path][1]
-            else:
-                how = path if path in ("compile", "jit") else "eager"
-                mode = path if path in ("strict", "defer") else "strict"
-                first_calls = 2 if path == "jit" else 1  # the first runs eagerly, then it traces
-                rows[path] = measure(
-                    torch_step(args, how), mode, args.steps, args.repeat, first_calls
-                )
+            rows[path] = run_path(path, args) if args.one_process else run_child(path)
         except Exception as exc:  # an out-of-memory path must not hide the others
             message = f"{type(exc).__name__}: {str(exc).splitlines()[0][:150]}"
-            print(f"| {path} | failed: {message} | | | | | |", flush=True)
+            print(f"| {path} | failed: {message} | | | | | | | |", flush=True)
             traceback.print_exc(file=sys.stderr)
             failed.append(path)
             continue
-        first, per_step, programs = rows[path]
+        first, per_step, programs, peak = rows[path]
         mfu = flops / per_step / (args.peak_tflops * 1e12)
-        ratio = "" if floor is None else f"{per_step / floor:.2f}x"
+        floor = rows.get("jax")
+        ratio = "" if floor is None else f"{per_step / floor[1]:.2f}x"
+        peak_ratio = "" if floor is None else f"{peak / floor[3]:.2f}x"
         programs = "(jax)" if path == "jax" else programs
         print(
             f"| {path} | {first:.1f} s | {programs} | {per_step * 1e3:.1f} ms "
-            f"| {args.batch * args.seq / per_step:,.0f} | {100 * mfu:.1f}% | {ratio} |",
+            f"| {args.batch * args.seq / per_step:,.0f} | {100 * mfu:.1f}% | {ratio} "
+            f"| {peak / 2**30:.2f} GiB | {peak_ratio} |",
             flush=True,
         )
-    if floor is not None:
-        print("\nratios to jax.jit: " + ", ".join(
-            f"{path} {rows[path][1] / floor:.2f}x" for path in rows if path != "jax"
+    # Only now does this process open the device: a TPU admits one process at a time.
+    print(f"\n{runtime_line()}")
+    memory = "device" if jax.local_devices()[0].memory_stats() else "resident (VmHWM)"
+    print(f"peak memory: the {memory} peak of the path's process" + (
+        "" if args.one_process else " (each path in its own)"
+    ))  # fmt: skip
+    if "jax" in rows:
+        print("ratios to jax.jit: " + ", ".join(
+            f"{path} {rows[path][1] / rows['jax'][1]:.2f}x" for path in rows if path != "jax"
         ))  # fmt: skip
     print(f"\n{window.verdict()}", flush=True)
     return 1 if failed else 0

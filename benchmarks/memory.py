@@ -16,7 +16,9 @@ Two figures per cell:
   this is the figure to compare with torch's; it includes what XLA's compiler holds
   while it compiles, which matters for small P (use the issue's sizes).
 - device peak: JAX's ``peak_bytes_in_use`` of the device where the backend reports it
-  (TPU, GPU), minus the bytes in use before the first step; "-" on the CPU backend.
+  (TPU, GPU), plus a TPU's ``peak_bytes_reserved`` (compiled programs' temporaries,
+  which a TPU counts apart), minus the bytes in use and reserved before the first
+  step; "-" on the CPU backend.
   The last column divides it by torch CPU's peak growth: the chip's figure for #33.
 
 Workloads: an MLP of 6 linear layers (width 4096: 101M parameters, P = 384 MiB) with
@@ -58,12 +60,13 @@ def rss(field):
             return int(line.split()[1]) * 1024
 
 
-def device_bytes(key):
+def device_bytes(*keys):
+    # A TPU counts compiled programs' temporaries apart, as reserved bytes.
     if device == "cpu":
         return None
     from torchtpu.runtime import jax
     stats = jax().local_devices()[0].memory_stats() or {{}}
-    return stats.get(key)
+    return sum(stats.get(key, 0) for key in keys) if stats else None
 
 
 width = max(64, int(4096 * scale))
@@ -110,12 +113,12 @@ try:
         f.write("5")  # resets VmHWM to the current resident size
 except OSError:
     pass  # not allowed on some machines (the TPU VM's): the peak is known only if exceeded
-before, peak_before, device_before = rss("VmRSS:"), rss("VmHWM:"), device_bytes("bytes_in_use")
+before, peak_before, device_before = rss("VmRSS:"), rss("VmHWM:"), device_bytes("bytes_in_use", "bytes_reserved")
 for _ in range(steps):
     step().item()
 peak = rss("VmHWM:")
 growth = peak - before if peak > peak_before or peak_before == before else None
-device_peak = device_bytes("peak_bytes_in_use")
+device_peak = device_bytes("peak_bytes_in_use", "peak_bytes_reserved")
 print(json.dumps({{
     "params": params, "growth": growth,
     "device": None if device_peak is None else device_peak - device_before,

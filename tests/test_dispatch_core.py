@@ -207,6 +207,19 @@ def test_an_in_place_write_reuses_its_buffer_when_nothing_else_holds_it(mode):
         assert_same(x, cpu)
 
 
+def test_single_op_programs_compile_with_the_op_compiler_options(monkeypatch):
+    """config.op_compiler_options reach XLA for an op's program, placed or donating: an
+    option XLA does not know fails the op's compile, which names it, and leaves the
+    tensor as it was."""
+    x = torch.ones(7, 13, device="tpu")
+    monkeypatch.setattr(torchtpu.config, "op_compiler_options", {"no_such_option": 1})
+    with pytest.raises(Exception, match="no_such_option"):
+        x * 3.25  # a new program (a shape no other test compiles)
+    with pytest.raises(Exception, match="no_such_option"):
+        x.add_(0.75)  # donates x's buffer: its own program
+    assert_same(x, torch.ones(7, 13))
+
+
 def test_an_array_held_elsewhere_is_never_donated():
     x = torch.ones(6, device="tpu")
     x.add_(1)

@@ -6,6 +6,7 @@ Each setting has one environment variable, read here and nowhere else. Code read
 
 from __future__ import annotations
 
+import json
 import os
 
 
@@ -45,6 +46,25 @@ cpu_async_dispatch: bool = _env_flag("TORCHTPU_CPU_ASYNC_DISPATCH", False)
 #: holds ~1-2 MB of host memory on XLA:CPU.
 op_cache_size: int = int(os.environ.get("TORCHTPU_OP_CACHE_SIZE", "1024"))
 chunk_cache_size: int = int(os.environ.get("TORCHTPU_CHUNK_CACHE_SIZE", "256"))
+
+
+def _env_json(name: str, default):
+    value = os.environ.get(name)
+    return default if value is None or not value.strip() else json.loads(value)
+
+
+#: XLA's options for the programs of single eager ops (Strict's and Debug's, and
+#: `torchtpu.jit`'s eager first call), as ``jax.jit(..., compiler_options=...)`` takes
+#: them; a JSON object in TORCHTPU_OP_COMPILER_OPTIONS (``{}``: XLA's defaults). Ops
+#: compiled from then on use them. The default asks for the least effort on execution
+#: time: one op leaves XLA little to optimise, and compiling is most of an eager first
+#: step. On a TPU v5e, ten single-op programs compiled in 1.46 s instead of 4.24 s and
+#: GPT-2 small's first Strict step took 22.5 s instead of 54.0 s, its later steps 261
+#: against 252 ms (docs/performance.md). DeferAndFuse's chunks and compiled programs
+#: keep XLA's default effort.
+op_compiler_options: dict = _env_json(
+    "TORCHTPU_OP_COMPILER_OPTIONS", {"exec_time_optimization_effort": -1.0}
+)
 
 
 def _env_cache_dir() -> str | None:

@@ -42,7 +42,7 @@ from __future__ import annotations
 import torch
 from torch._prims_common import elementwise_dtypes
 
-from torchtpu import dtypes, rng
+from torchtpu import config, dtypes, rng
 from torchtpu import matmul_precision as _precision
 from torchtpu.dispatch import meta as oracle
 from torchtpu.dispatch.defer import new_uid
@@ -115,7 +115,8 @@ class Plan:
         call = self.placed_calls.get(index)
         if call is None:
             call = self.placed_calls[index] = jax().jit(
-                self.fn, out_shardings=sharding(index)
+                self.fn, out_shardings=sharding(index),
+                compiler_options=config.op_compiler_options or None,
             )
         return call
 

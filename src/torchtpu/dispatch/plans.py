@@ -288,7 +288,10 @@ def _donating(plan: Plan, donated: tuple, args: list, device: int):
     call = variants.get((donated, device))
     if call is None:
         call = variants[donated, device] = (
-            jax().jit(plan.fn, donate_argnums=donated, out_shardings=sharding(device))
+            jax().jit(
+                plan.fn, donate_argnums=donated, out_shardings=sharding(device),
+                compiler_options=config.op_compiler_options or None,
+            )
             if donated
             else plan.placed(device)
         )

@@ -84,9 +84,10 @@ def note_read() -> None:
     with _lock:
         burst, _burst = _burst, None
     if burst is not None and burst["shown_at"] is not None:
+        reuse = " (a new process reuses them: JAX's persistent cache)"
         _say(
             f"compiled {burst['programs']} XLA program{'s' if burst['programs'] != 1 else ''} "
-            f"in {burst['seconds']:.1f} s (a new process reuses them: JAX's persistent cache)"
+            f"in {burst['seconds']:.1f} s{reuse if config.compile_cache_dir else ''}"
         )
 
 
