@@ -169,6 +169,72 @@ def test_chunk_compiles_taking_most_of_the_time_warn_once(monkeypatch):
     assert caught[0].filename == __file__
 
 
+def test_a_training_loops_first_steps_compiling_do_not_warn(monkeypatch):
+    # Note [Compiling while warming up]: the first step compiles its chunks (several:
+    # a small defer_max_ops cuts it) and the second its optimizer's; later steps reuse
+    # them. (Counted from the first step, this warned in the first step.)
+    monkeypatch.setattr(config, "compile_warn_seconds", 0.0)
+    monkeypatch.setattr(config, "defer_max_ops", 6)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(5, 11), torch.nn.Tanh(), torch.nn.Linear(11, 3)
+    ).to("tpu")
+    opt = torch.optim.AdamW(model.parameters())
+    x, y = torch.randn(9, 5).to("tpu"), torch.randn(9, 3).to("tpu")
+
+    def loop():
+        with torch.tpu.set_eager_mode("defer"):
+            for _ in range(6):
+                opt.zero_grad()
+                loss = torch.nn.functional.mse_loss(model(x), y)
+                loss.backward()
+                opt.step()
+                loss.item()
+
+    torchtpu.reset_metrics()
+    caught = [w for w in _caught(loop) if w.category is torchtpu.TPUCompileTimeWarning]
+    assert caught == []
+    assert torchtpu.metrics()["compiles"]["chunk"] >= 3
+
+
+def test_a_large_first_step_compiling_for_a_minute_does_not_warn(monkeypatch):
+    # GPT-2 small's first DeferAndFuse steps on a TPU v5e, as the warning sees them:
+    # three chunks of ~15 s in the first step, the optimizer's chunk again in the
+    # second, then nothing. (Counted from the first step, this warned in it.)
+    clock = [0.0]
+    monkeypatch.setattr(perf_warnings.time, "perf_counter", lambda: clock[0])
+    optimizer = torch.optim.SGD([torch.zeros(1)])
+
+    def compile_for(seconds):
+        clock[0] += seconds
+        perf_warnings.note_chunk_compile(seconds, 512, "gpt.py:77")
+
+    def steps():
+        for step in range(6):
+            for _ in range({0: 3, 1: 1}.get(step, 0)):
+                compile_for(15.0)
+            clock[0] += 0.2  # the step runs
+            perf_warnings._end_of_step(optimizer, (), {})
+            perf_warnings.note_read()  # loss.item()
+
+    assert [w for w in _caught(steps) if w.category is torchtpu.TPUCompileTimeWarning] == []
+
+
+def test_chunk_compiles_without_reads_or_steps_warn_after_warming_up(monkeypatch):
+    monkeypatch.setattr(config, "compile_warn_seconds", 0.0)
+    monkeypatch.setattr(config, "defer_max_ops", 2)
+    xs = [torch.ones(n, 5).to("tpu") for n in range(1, 15)]
+
+    def loop():
+        with torch.tpu.set_eager_mode("defer"):
+            for x in xs:  # a new shape each time, cut by the full queue: never read
+                x.mul_(2).add_(1)
+
+    caught = [w for w in _caught(loop) if w.category is torchtpu.TPUCompileTimeWarning]
+    assert len(caught) == 1  # with no step to tell, once more than 8 chunks compiled
+    assert "compiling 9 chunks" in str(caught[0].message)
+
+
 def test_explain_accounts_for_flushes_compiles_and_fallbacks():
     model = torch.nn.Linear(8, 4).to("tpu")
 

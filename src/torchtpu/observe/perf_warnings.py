@@ -45,6 +45,10 @@ class TPUFlushWarning(TPUPerformanceWarning):
 # Reads of values and optimizer steps so far: the clock of Note [What counts as
 # recompiling].
 epoch = 0
+# Optimizer steps ended, and values the program read (DeferAndFuse's own flushes are
+# not reads): the ends of a loop's steps, for Note [Compiling while warming up].
+optimizer_steps = 0
+reads = 0
 
 # (kind, user line) -> [compiles, epochs with a compile, epoch of the last, last key,
 # compiles outside the first epoch with a compile]
@@ -54,15 +58,18 @@ _warned_lines: set[str] = set()
 _flushes: dict[str, list] = {}
 
 
-def note_read() -> None:
-    global epoch
+def note_read(value_read: bool = True) -> None:
+    """A value was read (``value_read``), or DeferAndFuse ran a chunk for another reason."""
+    global epoch, reads
     epoch += 1
+    reads += value_read
     progress.note_read()  # a burst of compiles ends at a read too
 
 
 def _end_of_step(optimizer, args, kwargs) -> None:
-    global epoch
+    global epoch, optimizer_steps
     epoch += 1
+    optimizer_steps += 1
 
 
 register_optimizer_step_post_hook(_end_of_step)
@@ -122,19 +129,41 @@ class TPUCompileTimeWarning(TPUPerformanceWarning):
     """Compiling DeferAndFuse chunks takes most of the program's time."""
 
 
-# Chunk compiles: [seconds in all, count, time of the first, warned]
-_chunk_compiles = [0.0, 0, None, False]
+# Chunk compiles: [seconds in all, count, time of the first, warned, (optimizer steps,
+# reads) at the first]
+_chunk_compiles = [0.0, 0, None, False, (0, 0)]
+# Chunk compiles with no step ending that may still be a loop's first steps.
+WARM_UP_CHUNKS = 8
+
+
+def _warmed_up(entry) -> bool:
+    """Note [Compiling while warming up]
+    A loop's first two steps compile chunks that later steps reuse: the first step's
+    forward and backward (a large one in several chunks of ``defer_max_ops``), the
+    second step's optimizer chunk (its state exists from then on). On a TPU a
+    GPT-2-sized model spends most of a minute in them, which is most of the time so far
+    but says nothing of the loop. So TPUCompileTimeWarning waits until two steps have
+    ended since the first chunk compiled, and compiles go on. Steps end at
+    ``optimizer.step()``; where no optimizer has stepped since then, at each read of a
+    value (a training loop that reads its loss as well ends one step per iteration).
+    A loop that neither steps nor reads has no steps to tell: after ``WARM_UP_CHUNKS``
+    chunk compiles, its compiles are the pattern."""
+    steps_then, reads_then = entry[4]
+    steps = optimizer_steps - steps_then or reads - reads_then
+    return steps >= 2 or (steps == 0 and entry[1] > WARM_UP_CHUNKS)
 
 
 def note_chunk_compile(seconds: float, ops: int, where: str) -> None:
     """Called after each DeferAndFuse chunk compiled (``ops`` ops, flushed at
     ``where``). Warns once when compiling has taken more than half of the time since
     the first chunk compiled, and ``config.compile_warn_seconds`` in all, over at
-    least three compiles (one long compile of a big step is not a pattern)."""
+    least three compiles (one long compile of a big step is not a pattern), after
+    warming up (Note [Compiling while warming up])."""
     entry = _chunk_compiles
     now = time.perf_counter()
     if entry[2] is None:
         entry[2] = now - seconds
+        entry[4] = (optimizer_steps, reads)
     entry[0] += seconds
     entry[1] += 1
     if (
@@ -142,6 +171,7 @@ def note_chunk_compile(seconds: float, ops: int, where: str) -> None:
         or entry[1] < 3
         or entry[0] < config.compile_warn_seconds
         or entry[0] < 0.5 * (now - entry[2])
+        or not _warmed_up(entry)
     ):
         return
     entry[3] = True
@@ -173,4 +203,4 @@ def reset() -> None:
     _compiles.clear()
     _warned_lines.clear()
     _flushes.clear()
-    _chunk_compiles[:] = [0.0, 0, None, False]
+    _chunk_compiles[:] = [0.0, 0, None, False, (0, 0)]
