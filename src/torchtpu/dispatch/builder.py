@@ -114,11 +114,18 @@ class Plan:
             lets an in-place op donate it (Note [Strict writes reuse their buffers])."""
         call = self.placed_calls.get(index)
         if call is None:
-            call = self.placed_calls[index] = jax().jit(
-                self.fn, out_shardings=sharding(index),
-                compiler_options=config.op_compiler_options or None,
-            )
+            call = self.placed_calls[index] = eager_program(self.fn, index)
         return call
+
+
+def eager_program(fn, device: int, donated: tuple = ()):
+    """An op's function jitted to run eagerly on ``tpu:device``: its outputs committed
+    there (Note [Every array is committed to its device]), the arguments at ``donated``
+    given to XLA for its outputs, compiled with ``config.op_compiler_options``."""
+    return jax().jit(
+        fn, donate_argnums=donated, out_shardings=sharding(device),
+        compiler_options=config.op_compiler_options or None,
+    )  # fmt: skip
 
 
 def build(op, lowering, info_: SchemaInfo, rules, values: list, call: Call) -> Plan:

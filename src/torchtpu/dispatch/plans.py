@@ -19,7 +19,7 @@ from torchtpu import config, dtypes, memory, rng, tracing
 from torchtpu import matmul_precision as _precision
 from torchtpu.dispatch import checks, defer, host, modes
 from torchtpu.dispatch import meta as oracle
-from torchtpu.dispatch.builder import Plan, build, flatten_result
+from torchtpu.dispatch.builder import Plan, build, eager_program, flatten_result
 from torchtpu.dispatch.modes import EagerMode
 from torchtpu.dispatch.pending import Pending
 from torchtpu.dispatch.scalars import as_arrays
@@ -34,7 +34,7 @@ from torchtpu.dispatch.values import (
 )
 from torchtpu.observe import metrics, perf_warnings, progress
 from torchtpu.observe.locations import add_context, user_frame
-from torchtpu.runtime import array_type, current_index, jax, policy, sharding
+from torchtpu.runtime import array_type, current_index, jax, policy
 from torchtpu.storage import Storage
 from torchtpu.tensor import TPUTensor, tpu_device
 
@@ -288,12 +288,7 @@ def _donating(plan: Plan, donated: tuple, args: list, device: int):
     call = variants.get((donated, device))
     if call is None:
         call = variants[donated, device] = (
-            jax().jit(
-                plan.fn, donate_argnums=donated, out_shardings=sharding(device),
-                compiler_options=config.op_compiler_options or None,
-            )
-            if donated
-            else plan.placed(device)
+            eager_program(plan.fn, device, donated) if donated else plan.placed(device)
         )
         if plan.compiled:  # not the plan's first program: counted here
             start = time.perf_counter()
