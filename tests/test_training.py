@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import warnings
 
 import pytest
@@ -377,6 +378,41 @@ def test_a_repeated_adamw_step_stops_compiling(how, xla_compiles):
     assert compiled_by_step[0] > 0
     settled = 2 if how == "defer" else 1
     assert compiled_by_step[settled:] == [0] * (4 - settled), compiled_by_step
+
+
+@pytest.mark.parametrize("mode", ["strict", "defer"])
+def test_a_compiled_models_backward_compiles_while_its_forward_compiles(mode):
+    """torch.compile's backward program compiles on a worker thread from the forward's
+    first call on, and the first backward uses it: two XLA compiles of graph programs,
+    one of them off the calling thread, and gradients as on the CPU (Note [Compiling
+    the backward while the forward compiles], compile/program.py)."""
+    import threading
+
+    import jax.monitoring
+
+    torch.manual_seed(0)
+    cpu_model = nn.Sequential(nn.Linear(9, 17), nn.GELU(), nn.Linear(17, 3))
+    model = torch.compile(copy.deepcopy(cpu_model).to("tpu"), backend="tpu")
+    x = torch.randn(5, 9)
+    graph_compiles = []
+
+    def listener(event, seconds, fun_name=None, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration" and fun_name == "jit(_traced)":
+            graph_compiles.append(threading.current_thread().name)
+
+    torch._dynamo.reset()
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        with torchtpu.set_eager_mode(mode):
+            model(x.to("tpu")).square().mean().backward()
+            grads = [p.grad.cpu() for p in model.parameters()]
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    cpu_model(x).square().mean().backward()
+    for got, expected in zip(grads, [p.grad for p in cpu_model.parameters()], strict=True):
+        torch.testing.assert_close(got, expected)
+    assert len(graph_compiles) == 2, graph_compiles
+    assert sum(name.startswith("torchtpu-compile") for name in graph_compiles) == 1
 
 
 @pytest.mark.parametrize(

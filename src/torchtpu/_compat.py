@@ -8,6 +8,7 @@ docs/compatibility.md what each passed.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import importlib.util
@@ -220,6 +221,18 @@ def aot_inputs_overwritten() -> tuple[int, list] | None:
         if meta.input_info[i].mutates_data and not meta.input_info[i].mutates_metadata
     ]
     return len(meta.input_info), pairs
+
+
+def aot_compiles_backward_with_forward():
+    """A context in which AOTAutograd hands a graph's backward to its compiler with the
+    forward, rather than at the first backward: torch 2.13's and 2.14's
+    ``torch._functorch.config.force_non_lazy_backward_lowering`` (a release without
+    it compiles the backward as before)."""
+    import torch._functorch.config as functorch_config
+
+    if not hasattr(functorch_config, "force_non_lazy_backward_lowering"):
+        return contextlib.nullcontext()
+    return functorch_config.patch(force_non_lazy_backward_lowering=True)
 
 
 # -- JAX -------------------------------------------------------------------------------

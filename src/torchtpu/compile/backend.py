@@ -40,7 +40,7 @@ from torchtpu.compile.segments import Segmented, reads_values
 from torchtpu.dispatch import backward_errors, defer, modes, nested
 from torchtpu.interop import functions as jax_functions
 from torchtpu.observe import metrics
-from torchtpu.runtime import array_type, jax
+from torchtpu.runtime import array_type, jax, sharding
 
 aten = torch.ops.aten
 
@@ -146,6 +146,11 @@ def _compile_graph(gm: torch.fx.GraphModule, example_inputs, forward: bool = Fal
     written = (
         _written_back(gm, example_inputs) if forward and type(program) is Program else ()
     )
+    if not forward and type(program) is Program:
+        # Note [Compiling the backward while the forward compiles] (program.py)
+        abstract = _abstract_inputs(example_inputs)
+        if abstract is not None:
+            program.compile_ahead(*abstract)
     donating: dict = {(): program}
 
     def run(args: list):
@@ -207,6 +212,34 @@ def _compile_graph(gm: torch.fx.GraphModule, example_inputs, forward: bool = Fal
     return run
 
 
+def _abstract_inputs(example_inputs) -> tuple | None:
+    """(static, array specs, device) of the call `_compile_graph`'s ``run`` will make
+    with real inputs like these fake ones, or None where a size is symbolic."""
+    static, specs, index = [], [], 0
+    for a in example_inputs:
+        if isinstance(a, torch.Tensor):
+            if not all(type(n) is int for n in a.shape):
+                return None
+            static.append(a.dtype)
+            if a.device.type == "tpu":  # a handle's array: committed to its device
+                index = a.device.index or 0
+                specs.append((tuple(a.shape), a.dtype, index))
+            elif a.device.type == "cpu" and a.dim() == 0:
+                specs.append(((), a.dtype, None))  # a number made an array: uncommitted
+            else:
+                return None
+        elif type(a) is int:
+            static.append(a)
+        else:
+            return None
+    ShapeDtypeStruct = jax().ShapeDtypeStruct
+    specs = [
+        ShapeDtypeStruct(shape, dtypes.to_jax(dtype), sharding=None if i is None else sharding(i))
+        for shape, dtype, i in specs
+    ]
+    return tuple(static), specs, index
+
+
 def _output_values(gm: torch.fx.GraphModule) -> list:
     """The graph's outputs as traced (fake tensors, ints or None)."""
     (output,) = [n for n in gm.graph.nodes if n.op == "output"]
@@ -224,7 +257,9 @@ def tpu_backend(gm: torch.fx.GraphModule, example_inputs, **options):
     """The Dynamo backend: ``torch.compile(model, backend="tpu")``."""
     if options:
         raise TypeError(f"torch.compile(backend='tpu') takes no options, got {sorted(options)}")
-    return _tpu_tensors_out(_aot_backend(gm, example_inputs))
+    # Note [Compiling the backward while the forward compiles] (program.py)
+    with _compat.aot_compiles_backward_with_forward():
+        return _tpu_tensors_out(_aot_backend(gm, example_inputs))
 
 
 def _tpu_tensors_out(compiled):
