@@ -855,9 +855,11 @@ def test_error_in_a_compiled_backward_is_raised_not_aborted(monkeypatch):
 
     model = nn.Sequential(nn.Linear(4, 4), nn.ReLU()).to("tpu")
     compiled = torch.compile(model, backend="tpu")
-    loss = compiled(torch.randn(2, 4).to("tpu")).sum()
-    # The backward graph is traced at its first call, inside backward().
+    # The backward graph is traced ahead, at the forward's first call (Note [Compiling
+    # the backward while the forward compiles]); failing there, it is traced again at
+    # its own first call, inside backward(), and raises there.
     monkeypatch.setitem(dispatch._HANDLERS, aten.threshold_backward.default, broken)
+    loss = compiled(torch.randn(2, 4).to("tpu")).sum()
     loss.backward()
     monkeypatch.undo()
     with pytest.raises(ValueError, match="lowering failed"):
