@@ -54,6 +54,8 @@ class _Queue:
     def __init__(self, device: int, home: dict):
         self.device = device
         self.home = home  # the recording thread's queues, by device
+        # Note [An optimizer's new state is made apart]
+        self.makes_state = type(home) is _StateQueues
         self.plans: list = []
         self.refs: list[tuple] = []  # per op: (0, external slot, 0) or (1, op, output)
         self.outputs: list[list] = []  # per op: weak references to its Pendings
@@ -76,11 +78,19 @@ class _Queue:
 #     thread of a tensor another made), so recording and flushing hold one lock.
 
 
+class _StateQueues(dict):
+    """A thread's queues of an optimizer's new state, by device (Note [An optimizer's
+    new state is made apart])."""
+
+
 class _ThreadQueues(threading.local):
     """This thread's queues, by device (Note [A queue per thread and device])."""
 
     def __init__(self):
         self.by_device: dict[int, _Queue] = {}
+        # Note [An optimizer's new state is made apart]
+        self.state_by_device: dict[int, _Queue] = _StateQueues()
+        self.in_optimizer_step = False
         self.runs = 0  # chunks this thread has run
         self.runs_at_step_end = 0  # ... when the last optimizer step ended
         self.full_runs = 0  # chunks run because the queue was full
@@ -128,8 +138,7 @@ class FunctionOp:
         return self.call
 
 
-def _queue(device: int) -> _Queue:
-    queues = _threads.by_device
+def _queue(device: int, queues: dict) -> _Queue:
     q = queues.get(device)
     if q is None:
         q = queues[device] = _Queue(device, queues)
@@ -150,7 +159,14 @@ def record(plan, args: list, out_avals: list, where: str | None, device: int) ->
     tensors, then written bases). ``where`` names the user's line, when an error may
     need it."""
     with _lock:
-        q = _threads.by_device.get(device) or _queue(device)
+        queues = _threads.by_device
+        if (
+            _threads.in_optimizer_step
+            and getattr(plan, "op", None) in _FACTORIES
+            and not any(type(a) is Pending for a in args)
+        ):
+            queues = _threads.state_by_device  # Note [An optimizer's new state is made apart]
+        q = queues.get(device) or _queue(device, queues)
         position = len(q.plans)
         n_externals = len(q.externals)
         try:
@@ -291,10 +307,12 @@ annotate_run = _no_annotation
 
 
 def flush(reason: str) -> None:
-    """Run every op this thread queued: one chunk per device."""
-    for q in list(_threads.by_device.values()):
-        if q.plans:
-            _flush(q, reason)
+    """Run every op this thread queued: one chunk per device (and one of an optimizer's
+    new state, Note [An optimizer's new state is made apart])."""
+    for queues in (_threads.state_by_device, _threads.by_device):
+        for q in list(queues.values()):
+            if q.plans:
+                _flush(q, reason)
 
 
 def _end_of_step(optimizer, args, kwargs) -> None:
@@ -310,6 +328,7 @@ def _end_of_step(optimizer, args, kwargs) -> None:
     if torch.compiler.is_compiling() or tracing._active is not None:
         return  # a traced step: its ops are in the program, not in a queue
     state = _threads
+    state.in_optimizer_step = False
     if (
         state.runs == state.runs_at_step_end
         or state.full_runs != state.full_runs_at_step_end
@@ -343,6 +362,29 @@ def _start_of_step(optimizer, args, kwargs) -> None:
         return
     if any(len(q.plans) >= config.defer_split_ops for q in _threads.by_device.values()):
         flush("optimizer step begins")
+    _threads.in_optimizer_step = True  # Note [An optimizer's new state is made apart]
+
+
+# Note [An optimizer's new state is made apart]
+#     An optimizer makes its state in its first step (Adam's moments: ``zeros_like``
+#     per parameter) and updates it in place in the same step. Recorded with the
+#     update, the zeros are ops of the chunk, where every later step takes the moments
+#     as inputs: the first step's chunk was one no later step reused, and the second
+#     step compiled its optimizer's chunk again (GPT-2 small's on a TPU v5e: ~10 s;
+#     a small model's whole step). So inside an optimizer's step, an op that makes a
+#     tensor from no value (a factory) is recorded in a queue of its own, which runs
+#     when the update first uses what it made: the update then takes the new state as
+#     inputs, as it will every step after, and its chunk is compiled once. That queue's
+#     runs are not the step's own (`_end_of_step` counts those). A step that raises
+#     leaves the flag set until the next step begins or ends; meanwhile a factory
+#     outside a step runs as a chunk of its own when first used, correct as before.
+_FACTORIES = frozenset(
+    getattr(torch.ops.aten, name).default
+    for name in (
+        "zeros_like", "ones_like", "full_like", "empty_like", "zeros", "ones", "full",
+        "scalar_tensor", "new_zeros", "new_ones", "new_full",
+    )
+)  # fmt: skip
 
 
 register_optimizer_step_pre_hook(_start_of_step)
@@ -466,10 +508,11 @@ def _run(q: _Queue, reason: str, needed=()) -> dict:
     values still referenced; returns the values of the outputs in ``needed``
     ((op, output) pairs), which are outputs of the chunk too."""
     metrics.count("flushes", reason)
-    _threads.runs += 1
-    _threads.ops_run += len(q.plans)
-    if reason == "queue full":
-        _threads.full_runs += 1
+    if not q.makes_state:  # Note [An optimizer's new state is made apart]
+        _threads.runs += 1
+        _threads.ops_run += len(q.plans)
+        if reason == "queue full":
+            _threads.full_runs += 1
     perf_warnings.note_read(value_read=False)  # a read counts itself (transfer.py)
     # The user's line costs a stack walk: taken where a warning, explain() or a
     # compile can use it.
