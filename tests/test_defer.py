@@ -250,9 +250,10 @@ def test_error_in_a_chunk_names_the_op_and_line_and_spares_other_tensors(deferre
 
 def test_a_large_step_runs_its_optimizer_as_a_chunk_of_its_own(monkeypatch):
     """Note [The optimizer's step is a chunk of its own]: a queue of at least
-    ``defer_split_ops`` ops runs when ``optimizer.step()`` begins, so the second step
-    (AdamW's moments exist from then on) compiles only the optimizer's chunk, and the
-    forward and backward chunk compiled in step 1 serves every step."""
+    ``defer_split_ops`` ops runs when ``optimizer.step()`` begins, and the optimizer's
+    ops when it ends. The first step makes AdamW's moments in a chunk of their own
+    (Note [An optimizer's new state is made apart]), so the forward and backward chunk
+    and the optimizer's chunk compiled in step 1 serve every later step."""
     monkeypatch.setattr(torchtpu.config, "defer_split_ops", 8)
     torch.manual_seed(0)
     cpu_model = nn.Sequential(nn.Linear(9, 17), nn.GELU(), nn.Linear(17, 3))
@@ -279,12 +280,13 @@ def test_a_large_step_runs_its_optimizer_as_a_chunk_of_its_own(monkeypatch):
     with torch.tpu.set_eager_mode("defer"):
         losses, flushes = run(model, x.to("tpu"), y.to("tpu"), "tpu")
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=0, atol=1e-5)
-    for step in flushes:
-        assert [f["reason"] for f in step] == ["optimizer step begins", "optimizer step"]
+    reasons = [[f["reason"] for f in step] for step in flushes]
+    assert reasons[0] == ["optimizer step begins", "optimizer's new state", "optimizer step"]
+    assert reasons[1:] == [["optimizer step begins", "optimizer step"]] * 3, reasons
     compiled = [[f["ops"] for f in step if f["compiled"]] for step in flushes]
-    forward_backward = flushes[0][0]["ops"]
-    assert len(compiled[0]) == 2 and compiled[2:] == [[], []], compiled
-    (optimizer_chunk,) = compiled[1]  # the second step compiles the optimizer's ops alone
+    forward_backward, moments, optimizer_chunk = compiled[0]
+    assert compiled[1:] == [[], [], []], compiled
+    assert moments == 2 * len(list(model.parameters()))  # zeros_like: exp_avg, exp_avg_sq
     assert optimizer_chunk < forward_backward
 
 
@@ -307,6 +309,5 @@ def test_a_large_step_read_before_its_optimizer_compiles_two_chunks(monkeypatch)
             loss.item()
             opt.step()
             compiled.append(torchtpu.metrics().get("compiles", {}).get("chunk", 0) - before)
-    # step 1: forward and backward, then the optimizer's first step (its state made);
-    # step 2: its later steps; nothing after
-    assert compiled == [2, 1, 0, 0, 0], compiled
+    # step 1: forward and backward, the optimizer's new state, its update; nothing after
+    assert compiled == [3, 0, 0, 0, 0], compiled

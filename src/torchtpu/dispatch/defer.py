@@ -189,7 +189,12 @@ def _append(q: _Queue, plan, args: list, out_avals: list, where, position: int) 
                 refs.append((1, a.node, a.index))
                 continue
             if a.value is None and a.error is None:
-                flush_pending(a, "value from another queue")
+                flush_pending(
+                    a,
+                    "optimizer's new state"
+                    if a.queue is not None and a.queue.makes_state
+                    else "value from another queue",
+                )
             a = a.resolved()
         if hasattr(a, "shape"):  # a concrete array: one chunk input however often used
             slot = q.external_slot.get(id(a))
@@ -355,7 +360,8 @@ def _start_of_step(optimizer, args, kwargs) -> None:
         ops joining the next step's forward). So where the step's other ops are many
         (``defer_split_ops``: queued when the step begins, or run already by a read),
         the optimizer's ops are a chunk of their own: the forward and backward chunk is
-        the same every step, and only the optimizer's small chunk compiles twice. It
+        the same every step, and so is the optimizer's (its first step makes its state
+        apart: Note [An optimizer's new state is made apart]). It
         costs a chunk launch a step, so small steps, where a launch is a visible share
         of the step and compiling is quick, keep one chunk."""
     if torch.compiler.is_compiling() or tracing._active is not None:
