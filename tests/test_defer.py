@@ -311,3 +311,24 @@ def test_a_large_step_read_before_its_optimizer_compiles_two_chunks(monkeypatch)
             compiled.append(torchtpu.metrics().get("compiles", {}).get("chunk", 0) - before)
     # step 1: forward and backward, the optimizer's new state, its update; nothing after
     assert compiled == [3, 0, 0, 0, 0], compiled
+
+
+def test_chunks_and_graphs_without_products_compile_with_the_op_compiler_options(monkeypatch):
+    """Note [The least effort for programs without products] (dispatch/effort.py): a
+    DeferAndFuse chunk or a torch.compile graph of pointwise ops compiles with
+    ``config.op_compiler_options`` (an option XLA does not know fails its compile and
+    is named); one with a matrix product keeps XLA's defaults and runs."""
+    monkeypatch.setattr(torchtpu.config, "op_compiler_options", {"no_such_option": 1})
+    x, w = torch.randn(11, 5), torch.randn(5, 3)
+    with torch.tpu.set_eager_mode("defer"):
+        light = x.to("tpu") * 3.5 + 1.25
+        with pytest.raises(Exception, match="no_such_option"):
+            light.cpu()
+        heavy = x.to("tpu") @ w.to("tpu") + 1.25
+        assert_same(heavy, x @ w + 1.25)
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="no_such_option"):
+        torch.compile(lambda a: a * 2.5 - 1, backend="tpu")(torch.randn(3, 17).to("tpu"))
+    y = torch.randn(3, 17)
+    product = torch.compile(lambda a: (a @ a.T) * 2.5 - 1, backend="tpu")(y.to("tpu"))
+    torch.testing.assert_close(product.cpu(), (y @ y.T) * 2.5 - 1)

@@ -60,8 +60,10 @@ def _env_json(name: str, default):
 #: time: one op leaves XLA little to optimise, and compiling is most of an eager first
 #: step. On a TPU v5e, ten single-op programs compiled in 1.46 s instead of 4.24 s and
 #: GPT-2 small's first Strict step took 22.5 s instead of 54.0 s, its later steps 261
-#: against 252 ms (docs/performance.md). DeferAndFuse's chunks and compiled programs
-#: keep XLA's default effort.
+#: against 252 ms (docs/performance.md). DeferAndFuse's chunks and torch.compile's
+#: graphs use them too where they hold no product (an optimizer's update: Note [The
+#: least effort for programs without products], dispatch/effort.py); the others, and
+#: `torchtpu.jit`'s steps, keep XLA's defaults.
 op_compiler_options: dict = _env_json(
     "TORCHTPU_OP_COMPILER_OPTIONS", {"exec_time_optimization_effort": -1.0}
 )

@@ -37,7 +37,7 @@ from torchtpu import _compat, config, dtypes, tracing
 from torchtpu.compile import flex_attention, handles
 from torchtpu.compile.program import Program, flatten_values, unflatten_values
 from torchtpu.compile.segments import Segmented, reads_values
-from torchtpu.dispatch import backward_errors, defer, modes, nested
+from torchtpu.dispatch import backward_errors, defer, effort, modes, nested
 from torchtpu.interop import functions as jax_functions
 from torchtpu.observe import metrics
 from torchtpu.runtime import array_type, jax, sharding
@@ -83,7 +83,9 @@ def _graph_program(gm: torch.fx.GraphModule, donate: tuple = ()) -> Program:
         # outputs besides tensors: None, or an int (a size the backward needs)
         return flatten_values(gm(*unflatten_values(static, arrays)))
 
-    return Program(trace_graph, "graph", donate)
+    # Note [The least effort for programs without products] (dispatch/effort.py)
+    ops = [node.target for node in gm.graph.nodes if node.op == "call_function"]
+    return Program(trace_graph, "graph", donate, options=effort.compiler_options(ops))
 
 
 def _written_back(gm: torch.fx.GraphModule, example_inputs) -> frozenset:

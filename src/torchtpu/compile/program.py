@@ -97,14 +97,18 @@ class _Traced(NamedTuple):
 
 
 class Program:
-    def __init__(self, trace_fn: Callable, kind: str, donate: tuple = (), mesh=None):
+    def __init__(
+        self, trace_fn: Callable, kind: str, donate: tuple = (), mesh=None, options=None
+    ):
         self._trace_fn = trace_fn
         self.kind = kind  # "graph" (torch.compile) or "step" (torchtpu.jit), for metrics
         # ``donate``: positions of the arrays whose buffers the program may reuse for
-        # its outputs (Note [Donating the step's state] in jit.py).
+        # its outputs (Note [Donating the step's state] in jit.py). ``options``: XLA's
+        # compiler options, None for its defaults.
         self._jitted = jax().jit(
-            self._traced, static_argnums=0, donate_argnums=tuple(3 + i for i in donate)
-        )
+            self._traced, static_argnums=0, donate_argnums=tuple(3 + i for i in donate),
+            compiler_options=options,
+        )  # fmt: skip
         self._donate = donate
         self._signatures: dict = {}
         self._avals: dict = {}  # signature -> (shape, dtype) of each output

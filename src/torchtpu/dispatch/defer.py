@@ -38,7 +38,7 @@ from torch.optim.optimizer import (
 )
 
 from torchtpu import config, memory, tracing
-from torchtpu.dispatch import checks
+from torchtpu.dispatch import checks, effort
 from torchtpu.dispatch.pending import Pending
 from torchtpu.dispatch.scalars import as_array
 from torchtpu.observe import metrics, perf_warnings, progress
@@ -282,7 +282,11 @@ class _Chunk:
         # Its outputs committed to the queue's device, as every tensor's array is (Note
         # [Every array is committed to its device] in builder.py): a chunk of factories
         # alone would otherwise make uncommitted ones.
-        self.call = jax().jit(chunk, donate_argnums=donated, out_shardings=sharding(device))
+        self.call = jax().jit(
+            chunk, donate_argnums=donated, out_shardings=sharding(device),
+            # Note [The least effort for programs without products] (effort.py)
+            compiler_options=effort.compiler_options(plan.op for plan, _ in nodes_spec),
+        )  # fmt: skip
 
 
 class _NodeError(Exception):
