@@ -152,8 +152,8 @@ class Program:
             else contextlib.nullcontext()
         )
         with compiling:
-            if ahead is not None and _compiled(ahead[1]) is None:
-                ahead = None  # it failed: the call compiles, and says why
+            if ahead is not None:
+                ahead[1].exception()  # wait; had it failed, the call compiles and says why
             try:
                 outputs, flags = self._jitted(static, seed, offset, *arrays)
             except tracing.NeedsMesh as need:
@@ -243,14 +243,6 @@ def _start_compiles_ahead() -> None:
     while _to_compile_ahead:
         program, static, specs, device = _to_compile_ahead.pop()
         program._start_compile_ahead(static, specs, device)
-
-
-def _compiled(future: concurrent.futures.Future):
-    """The compiled program a worker made, or None if its compile raised."""
-    try:
-        return future.result()
-    except Exception:
-        return None
 
 
 class QueuedProgram(defer.FunctionOp):
