@@ -1055,3 +1055,21 @@ def test_eager_code_between_graphs_adds_no_graph_break():
     )
     reasons = [reason.splitlines()[0] for reason in counters["graph_break"]]
     assert reasons == ["Dynamic shape operator"], reasons
+
+
+def test_a_backward_whose_compile_ahead_failed_raises_its_error(monkeypatch):
+    """A backward program compiled ahead on a worker thread (Note [Compiling the backward
+    while the forward compiles]) that failed there is compiled again by its first call,
+    which raises the error where the user reads the gradient: never swallowed, no hang.
+    Its graph (the gradient of a pointwise op, broadcast) has no product, so it compiles
+    with ``config.op_compiler_options``, here an option XLA does not know; the forward
+    (a sum) keeps XLA's defaults and runs."""
+    monkeypatch.setattr(torchtpu.config, "op_compiler_options", {"no_such_option": 1})
+    torch._dynamo.reset()
+    x = torch.randn(3, 23)
+    a = x.to("tpu").requires_grad_()
+    out = torch.compile(lambda t: t.tanh().sum(dim=1), backend="tpu")(a)
+    torch.testing.assert_close(out.cpu(), x.tanh().sum(dim=1))
+    out.backward(torch.ones(3).to("tpu"))  # no eager op: they too take those options
+    with pytest.raises(Exception, match="no_such_option"):
+        a.grad.cpu()
