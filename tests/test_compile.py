@@ -1064,7 +1064,10 @@ def test_a_backward_whose_compile_ahead_failed_raises_its_error(monkeypatch):
     Its graph (the gradient of a pointwise op, broadcast) has no product, so it compiles
     with ``config.op_compiler_options``, here an option XLA does not know; the forward
     (a sum) keeps XLA's defaults and runs."""
+    from torchtpu.compile import backend
+
     monkeypatch.setattr(torchtpu.config, "op_compiler_options", {"no_such_option": 1})
+    monkeypatch.setattr(backend, "AHEAD_MIN_OPS", 1)
     torch._dynamo.reset()
     x = torch.randn(3, 23)
     a = x.to("tpu").requires_grad_()

@@ -381,15 +381,21 @@ def test_a_repeated_adamw_step_stops_compiling(how, xla_compiles):
     assert compiled_by_step[1:] == [0, 0, 0], compiled_by_step
 
 
+@pytest.mark.parametrize("ahead", [True, False], ids=["ahead", "small"])
 @pytest.mark.parametrize("mode", ["strict", "defer"])
-def test_a_compiled_models_backward_compiles_while_its_forward_compiles(mode):
+def test_a_compiled_models_backward_compiles_while_its_forward_compiles(
+    mode, ahead, monkeypatch
+):
     """torch.compile's backward program compiles on a worker thread from the forward's
     first call on, and the first backward uses it: two XLA compiles of graph programs,
     one of them off the calling thread, and gradients as on the CPU (Note [Compiling
-    the backward while the forward compiles], compile/program.py)."""
+    the backward while the forward compiles], compile/program.py). A backward graph of
+    fewer than ``AHEAD_MIN_OPS`` ops (this one, by default) compiles when it runs."""
     import threading
 
     import jax.monitoring
+
+    from torchtpu.compile import backend
 
     torch.manual_seed(0)
     cpu_model = nn.Sequential(nn.Linear(9, 17), nn.GELU(), nn.Linear(17, 3))
@@ -402,6 +408,8 @@ def test_a_compiled_models_backward_compiles_while_its_forward_compiles(mode):
             graph_compiles.append(threading.current_thread().name)
 
     torch._dynamo.reset()
+    if ahead:
+        monkeypatch.setattr(backend, "AHEAD_MIN_OPS", 1)  # a small model's backward too
     jax.monitoring.register_event_duration_secs_listener(listener)
     try:
         with torchtpu.set_eager_mode(mode):
@@ -413,7 +421,8 @@ def test_a_compiled_models_backward_compiles_while_its_forward_compiles(mode):
     for got, expected in zip(grads, [p.grad for p in cpu_model.parameters()], strict=True):
         torch.testing.assert_close(got, expected)
     assert len(graph_compiles) == 2, graph_compiles
-    assert sum(name.startswith("torchtpu-compile") for name in graph_compiles) == 1
+    on_the_worker = sum(name.startswith("torchtpu-compile") for name in graph_compiles)
+    assert on_the_worker == (1 if ahead else 0), graph_compiles
 
 
 @pytest.mark.parametrize(

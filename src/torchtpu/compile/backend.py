@@ -84,7 +84,7 @@ def _graph_program(gm: torch.fx.GraphModule, donate: tuple = ()) -> Program:
         return flatten_values(gm(*unflatten_values(static, arrays)))
 
     # Note [The least effort for programs without products] (dispatch/effort.py)
-    ops = [node.target for node in gm.graph.nodes if node.op == "call_function"]
+    ops = (node.target for node in gm.graph.nodes if node.op == "call_function")
     return Program(trace_graph, "graph", donate, options=effort.compiler_options(ops))
 
 
@@ -148,7 +148,7 @@ def _compile_graph(gm: torch.fx.GraphModule, example_inputs, forward: bool = Fal
     written = (
         _written_back(gm, example_inputs) if forward and type(program) is Program else ()
     )
-    if not forward and type(program) is Program:
+    if not forward and type(program) is Program and _ops(gm) >= AHEAD_MIN_OPS:
         # Note [Compiling the backward while the forward compiles] (program.py)
         abstract = _abstract_inputs(example_inputs)
         if abstract is not None:
@@ -212,6 +212,16 @@ def _compile_graph(gm: torch.fx.GraphModule, example_inputs, forward: bool = Fal
 
     run._boxed_call = True
     return run
+
+
+# A backward graph of fewer ops compiles when the backward first runs, as AOTAutograd
+# would have it: its compile is short, and a model called with gradients on but never
+# differentiated (evaluated without torch.no_grad()) does not pay for it.
+AHEAD_MIN_OPS = 256
+
+
+def _ops(gm: torch.fx.GraphModule) -> int:
+    return sum(node.op == "call_function" for node in gm.graph.nodes)
 
 
 def _abstract_inputs(example_inputs) -> tuple | None:

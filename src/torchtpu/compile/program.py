@@ -48,7 +48,8 @@ Note [Compiling the backward while the forward compiles]
     call waits for its compile, and ``jax.jit`` finds the program in its cache as if it
     had compiled it. A call whose signature turns out different, or a compile that
     failed, compiles as before, in the call. Tracing stays on the thread that calls:
-    torch's dispatcher state and torchtpu's tracing state are the caller's.
+    torch's dispatcher state and torchtpu's tracing state are the caller's. A small
+    backward graph (`backend.AHEAD_MIN_OPS`) is left to compile when it first runs.
 """
 
 from __future__ import annotations
@@ -104,11 +105,19 @@ class Program:
         self.kind = kind  # "graph" (torch.compile) or "step" (torchtpu.jit), for metrics
         # ``donate``: positions of the arrays whose buffers the program may reuse for
         # its outputs (Note [Donating the step's state] in jit.py). ``options``: XLA's
-        # compiler options, None for its defaults.
+        # compiler options, None for its defaults; JAX takes them only for a program it
+        # compiles, not one nested in another's trace (a DeferAndFuse chunk's, a
+        # torchtpu.jit step's), which ``_nested`` is for.
+        donate_argnums = tuple(3 + i for i in donate)
         self._jitted = jax().jit(
-            self._traced, static_argnums=0, donate_argnums=tuple(3 + i for i in donate),
+            self._traced, static_argnums=0, donate_argnums=donate_argnums,
             compiler_options=options,
         )  # fmt: skip
+        self._nested = (
+            jax().jit(self._traced, static_argnums=0, donate_argnums=donate_argnums)
+            if options
+            else self._jitted
+        )
         self._donate = donate
         self._signatures: dict = {}
         self._avals: dict = {}  # signature -> (shape, dtype) of each output
@@ -130,7 +139,7 @@ class Program:
     def _over_mesh(self, devices: tuple) -> None:
         """From now on, trace and run as one SPMD program over ``devices``."""
         self._mesh = devices
-        self._jitted = _SPMD(self._traced, devices, self._donate)
+        self._jitted = self._nested = _SPMD(self._traced, devices, self._donate)
         self._signatures.clear()
         self._queued.clear()
 
@@ -155,7 +164,8 @@ class Program:
             if ahead is not None:
                 ahead[1].exception()  # wait; had it failed, the call compiles and says why
             try:
-                outputs, flags = self._jitted(static, seed, offset, *arrays)
+                jitted = self._jitted if tracing._active is None else self._nested
+                outputs, flags = jitted(static, seed, offset, *arrays)
             except tracing.NeedsMesh as need:
                 self._over_mesh(need.devices)
                 traced = None
@@ -252,15 +262,19 @@ class QueuedProgram(defer.FunctionOp):
     __slots__ = ("layout", "draws")
 
     def __init__(self, program: Program, static, traced: _Traced, avals: list):
-        jitted = program._jitted
+        def caller(jitted):
+            def run(seed, offset, *arrays):
+                outputs, flags = jitted(static, seed, offset, *arrays)
+                return (*outputs, *flags)
 
-        def run(seed, offset, *arrays):
-            outputs, flags = jitted(static, seed, offset, *arrays)
-            return (*outputs, *flags)
+            return run
 
-        # Inside a chunk's trace (a nested jit) or alone, the program compiled already
-        # is what runs.
-        super().__init__(f"a compiled {program.kind}", run, run, avals, traced.check_infos)
+        # Alone, the program compiled already is what runs; inside a chunk's trace, the
+        # same program as a nested jit (which takes no compiler options).
+        super().__init__(
+            f"a compiled {program.kind}", caller(program._nested), caller(program._jitted),
+            avals, traced.check_infos,
+        )  # fmt: skip
         self.layout, self.draws = traced.layout, traced.draws
 
 
