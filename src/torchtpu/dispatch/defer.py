@@ -138,7 +138,10 @@ class FunctionOp:
         return self.call
 
 
-def _queue(device: int, queues: dict) -> _Queue:
+def _queue(device: int, queues: dict | None = None) -> _Queue:
+    """This thread's queue on ``device`` (of ``queues``, its ordinary ones by default)."""
+    if queues is None:
+        queues = _threads.by_device
     q = queues.get(device)
     if q is None:
         q = queues[device] = _Queue(device, queues)
