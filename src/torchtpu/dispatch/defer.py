@@ -41,6 +41,7 @@ from torchtpu import config, memory, tracing
 from torchtpu.dispatch import checks, effort
 from torchtpu.dispatch.pending import Pending
 from torchtpu.dispatch.scalars import as_array
+from torchtpu.dispatch.schema import FACTORIES
 from torchtpu.observe import metrics, perf_warnings, progress
 from torchtpu.observe.locations import user_frame
 from torchtpu.runtime import array_type, jax, sharding
@@ -165,7 +166,7 @@ def record(plan, args: list, out_avals: list, where: str | None, device: int) ->
         queues = _threads.by_device
         if (
             _threads.in_optimizer_step
-            and getattr(plan, "op", None) in _FACTORIES
+            and getattr(plan, "op", None) in FACTORIES
             and not any(type(a) is Pending for a in args)
         ):
             queues = _threads.state_by_device  # Note [An optimizer's new state is made apart]
@@ -391,13 +392,6 @@ def _start_of_step(optimizer, args, kwargs) -> None:
 #     runs are not the step's own (`_end_of_step` counts those). A step that raises
 #     leaves the flag set until the next step begins or ends; meanwhile a factory
 #     outside a step runs as a chunk of its own when first used, correct as before.
-_FACTORIES = frozenset(
-    getattr(torch.ops.aten, name).default
-    for name in (
-        "zeros_like", "ones_like", "full_like", "empty_like", "zeros", "ones", "full",
-        "scalar_tensor", "new_zeros", "new_ones", "new_full",
-    )
-)  # fmt: skip
 
 
 register_optimizer_step_pre_hook(_start_of_step)

@@ -21,24 +21,13 @@ import operator
 import torch
 
 from torchtpu import config
+from torchtpu.dispatch.schema import FACTORIES
 
 aten = torch.ops.aten
 
 _ALSO_LIGHT = frozenset(
-    (
-        operator.getitem,
-        aten._to_copy.default,
-        aten.copy_.default,
-        aten.clone.default,
-        *(
-            getattr(aten, name).default
-            for name in (
-                "zeros_like", "ones_like", "full_like", "empty_like", "zeros", "ones",
-                "full", "scalar_tensor", "new_zeros", "new_ones", "new_full",
-            )
-        ),
-    )
-)  # fmt: skip
+    (operator.getitem, aten._to_copy.default, aten.copy_.default, aten.clone.default)
+) | FACTORIES
 
 
 def _light(op) -> bool:

@@ -214,3 +214,15 @@ def factory_variant(op: torch._ops.OpOverload) -> torch._ops.OpOverload | None:
         if "device" in names and {a for a in signature if a[0] not in _TENSOR_OPTIONS} == wanted:
             return candidate
     return None
+
+
+#: Ops that make a tensor from no value (a shape, a fill value, another tensor's shape
+#: and dtype): an optimizer's new state (defer.py) and programs without products
+#: (effort.py) are told by them.
+FACTORIES = frozenset(
+    getattr(torch.ops.aten, name).default
+    for name in (
+        "zeros_like", "ones_like", "full_like", "empty_like", "zeros", "ones", "full",
+        "scalar_tensor", "new_zeros", "new_ones", "new_full",
+    )
+)  # fmt: skip
