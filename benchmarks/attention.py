@@ -80,7 +80,9 @@ for _ in range(repeats):
     times.append(time.perf_counter() - start)
 device_peak = device_bytes("peak_bytes_in_use", "peak_bytes_reserved")
 print(json.dumps({{
-    "seconds": statistics.median(times), "growth": rss("VmHWM:") - before,
+    # A sandbox may keep no VmHWM (the TPU machine's): the growth is then unknown.
+    "seconds": statistics.median(times),
+    "growth": None if None in (peak := rss("VmHWM:"), before) else peak - before,
     "device": None if device_peak is None else device_peak - device_before,
     "choices": torchtpu.metrics().get("attention", {{}}),
 }}))

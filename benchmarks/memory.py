@@ -117,7 +117,10 @@ before, peak_before, device_before = rss("VmRSS:"), rss("VmHWM:"), device_bytes(
 for _ in range(steps):
     step().item()
 peak = rss("VmHWM:")
-growth = peak - before if peak > peak_before or peak_before == before else None
+if None in (peak, peak_before):  # a sandbox without VmHWM (the TPU machine's, 2026-12-06)
+    growth = None
+else:
+    growth = peak - before if peak > peak_before or peak_before == before else None
 device_peak = device_bytes("peak_bytes_in_use", "peak_bytes_reserved")
 print(json.dumps({{
     "params": params, "growth": growth,

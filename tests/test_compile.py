@@ -200,6 +200,24 @@ def test_the_default_backend_compiles_tpu_graphs_as_tpu():
     assert torchtpu.metrics()["compiles"]["graph"] >= 2  # forward and backward
 
 
+def test_the_default_backend_compiles_a_graph_that_only_makes_tpu_tensors():
+    """A graph with no tensor inputs that builds tpu tensors also goes to backend="tpu":
+    ``create_block_mask(..., device="tpu", _compile=True)``, as Transformers calls it,
+    went to Inductor and raised ModuleNotFoundError: No module named 'torch_tpu'."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def causal(b, h, q, k):
+        return q >= k
+
+    made = create_block_mask(causal, 1, 1, 256, 256, device="tpu", _compile=True)
+    expected = create_block_mask(causal, 1, 1, 256, 256, device="cpu")
+    assert made.kv_num_blocks.device.type == "tpu"
+    for actual, want in zip(made.as_tuple(), expected.as_tuple()):
+        if isinstance(want, torch.Tensor):
+            assert torch.equal(actual.cpu(), want), (actual, want)
+    assert torchtpu.metrics()["compiles"]["graph"] >= 1
+
+
 @pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
 def test_a_whole_step_compiles_with_its_optimizer(mode, optimizer):
     """loss, backward and ``opt.step()`` in one compiled function. AdamW's ``step``

@@ -355,3 +355,110 @@ def test_a_jitted_step_matches_the_cpu():
         assert_same(step(x), loss, atol=1e-4, rtol=1e-5)
         assert_same([p.grad for p in model.parameters()], grads, atol=1e-4, rtol=1e-4)
     assert torchtpu.metrics()["compiles"]["step"] == 1
+
+
+def test_a_compiled_function_takes_a_strided_activation_that_requires_grad():
+    """Fakifying a non-view, non-contiguous tensor with autograd history kept its
+    strides only on the CPU: on tpu Dynamo raised "Attempted to set the storage of a
+    tensor on device tpu:0 to a storage on different device meta" (Note [A traced
+    wrapper keeps its strides]); Transformers' queries into flex_attention are such."""
+    torch.manual_seed(3)
+    w, x = torch.randn(E, E) * 0.2, torch.randn(B, L, E)
+
+    def queries(x, w):  # a head layout transposed, then scaled: strided, not a view
+        return (x @ w).view(B, L, H, E // H).transpose(1, 2) * 2
+
+    w64 = w.double().requires_grad_()
+    q64 = queries(x.double(), w64)
+    expected = reference(q64, q64, q64)[0]
+    expected.sum().backward()
+    w_tpu = tpu(w).requires_grad_()
+    q = queries(tpu(x), w_tpu)
+    assert not q._is_view() and not q.is_contiguous()
+    actual = torch.compile(lambda q: flex_attention(q, q, q), backend="tpu")(q)
+    actual.sum().backward()
+    assert_same(actual, expected.float(), atol=1e-5, rtol=1e-4)
+    assert_same(w_tpu.grad, w64.grad.float(), atol=1e-4, rtol=1e-4)
+
+
+def test_transformers_offers_flex_attention_beside_torchtpu():
+    """Transformers 5.x turns flex_attention off when the accelerator is "tpu" (Google's
+    torch_tpu refuses it), which with torchtpu installed was every machine, CPU models
+    included (Note [Transformers' flex_attention check]); in either import order."""
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("transformers", reason="the test extra installs transformers")
+    for imports in ("import torch, transformers", "import transformers, torch"):
+        script = (
+            f"{imports}\n"
+            "import transformers.masking_utils as masks\n"
+            "from transformers.utils import is_torch_flex_attn_available\n"
+            "from torch.nn.attention.flex_attention import BlockMask\n"
+            "assert torch.accelerator.current_accelerator().type == 'tpu'\n"
+            "print(is_torch_flex_attn_available(), masks.BlockMask is BlockMask)\n"
+        )
+        env = dict(os.environ, JAX_PLATFORMS="cpu")  # the parent may hold the chip
+        out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env)
+        assert out.stdout.split() == ["True", "True"], (imports, out.stderr[-2000:])
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma2"])
+def test_transformers_models_train_with_flex_attention_as_on_the_cpu(name, mode, monkeypatch):
+    """``attn_implementation="flex_attention"`` on tpu: Transformers makes its block
+    masks on tpu and compiles flex_attention with torch.compile's default backend.
+    Gemma 2 adds a sliding window and tanh soft-capping (a score_mod).
+
+    Trained (loss, gradients, an AdamW step) against Transformers' eager attention on
+    the CPU, with no padding: torch's CPU flex_attention has no backward when compiled,
+    and where a left-padded query sees no key, eager attention averages the values and
+    flex_attention gives zeros. The padded batch's forward is checked against
+    Transformers' flex_attention on the CPU."""
+    import copy
+
+    pytest.importorskip("transformers", reason="the test extra installs transformers")
+    from transformers.integrations import flex_attention as flex_integration
+
+    from torchtpu.zoo import BY_NAME
+
+    # Not yet understood (docs/attention.md): after another torch.compile of
+    # flex_attention in the process (this file's compiled tests), Transformers' own
+    # compile of it fails in AOTAutograd's partitioner ("Node getitem_3 was invalid, but
+    # is output"); a fresh Dynamo state trains.
+    torch._dynamo.reset()
+    arch = BY_NAME[name]
+    model = arch.build()
+    padded = arch.batch(model.config)  # the second row is left-padded
+    batch = {"input_ids": padded["input_ids"], "labels": padded["labels"]}
+
+    def on(device, attention):
+        copied = copy.deepcopy(model).to(device)
+        copied.set_attn_implementation(attention)
+        return copied
+
+    def train(model, batch):
+        output = model.train()(**batch)
+        output.loss.backward()
+        grads = [p.grad for p in model.parameters()]
+        torch.optim.AdamW(model.parameters(), lr=1e-2).step()
+        return output.loss, grads, [p.detach() for p in model.parameters()]
+
+    def forward(model, batch):
+        with torch.no_grad():
+            return model.eval()(**batch).logits
+
+    assert_same(
+        train(on("tpu", "flex_attention"), tpu(batch)),
+        train(on("cpu", "eager"), batch),
+        atol=2e-5,
+        rtol=1e-4,
+    )
+    actual = forward(on("tpu", "flex_attention"), tpu(padded))
+    # The reference calls flex_attention as Transformers does inside a compiled model:
+    # uncompiled (Inductor's CPU flex_attention is not what is under test).
+    monkeypatch.setattr(flex_integration, "is_torchdynamo_compiling", lambda: True)
+    assert_same(actual, forward(on("cpu", "flex_attention"), padded), atol=1e-5, rtol=1e-4)
+    # Transformers keeps one compiled flex_attention for the process, so only the first
+    # test traces it (and counts the choice): the model says what it ran.
+    assert on("tpu", "flex_attention").config._attn_implementation == "flex_attention"

@@ -17,7 +17,7 @@ import sys
 
 import torch
 
-from torchtpu import config, device
+from torchtpu import config, device, huggingface
 from torchtpu.dispatch.fallback import TPUFallbackWarning
 from torchtpu.dispatch.host import TPUHostComputeWarning
 from torchtpu.dispatch.modes import EagerMode, set_eager_mode
@@ -71,6 +71,7 @@ __all__ = [
 ]
 
 device.register()
+huggingface.install()  # Note [Transformers' flex_attention check]
 
 # torch.compile(backend="tpu") finds the backend through its entry point; if Dynamo is
 # already loaded (importing it costs seconds, so it is never imported here), register

@@ -164,14 +164,22 @@ def inductor_hands_graphs_on(device_type: str, backend) -> None:
     """torch.compile's default backend, Inductor (torch 2.11-2.15:
     ``torch._TorchCompileInductorWrapper.__call__(model, inputs, *, config_patches=None)``),
     has code generation registered for a "tpu" device that imports Google's
-    ``torch_tpu`` package. Hand a graph whose inputs are on ``device_type`` to
-    ``backend()`` instead (a function returning the backend, so that it is imported
-    when first needed); graphs on other devices go to Inductor as before."""
+    ``torch_tpu`` package. Hand a graph that takes or makes tensors on
+    ``device_type`` to ``backend()`` instead (a function returning the backend, so
+    that it is imported when first needed); graphs on other devices go to Inductor as
+    before. "Makes": ``create_block_mask(..., device="tpu", _compile=True)`` (which
+    Transformers calls) compiles a graph with no tensor inputs that builds tpu tensors
+    (Dynamo's ``example_value`` of each node says where)."""
     wrapper = torch._TorchCompileInductorWrapper
     original = getattr(wrapper.__call__, "torchs", wrapper.__call__)
 
+    def on_device(x) -> bool:
+        return isinstance(x, torch.Tensor) and x.device.type == device_type
+
     def __call__(self, model_, inputs_, **kwargs):
-        if any(isinstance(x, torch.Tensor) and x.device.type == device_type for x in inputs_):
+        if any(map(on_device, inputs_)) or any(
+            on_device(node.meta.get("example_value")) for node in model_.graph.nodes
+        ):
             return backend()(model_, inputs_)
         return original(self, model_, inputs_, **kwargs)
 

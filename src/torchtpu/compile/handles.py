@@ -35,6 +35,9 @@ from torchtpu.compile import fake_mode  # noqa: F401 - how fake tensors treat tp
 from torchtpu.dispatch import schema
 from torchtpu.tensor import TPUTensor
 
+# Ops whose result is the argument itself under another name: same sizes, same strides.
+_SAME_TENSOR = frozenset({torch.ops.aten.detach.default, torch.ops.aten.alias.default})
+
 
 def make_handle(array, dtype: torch.dtype) -> torch.Tensor:
     """A storage-less tpu tensor of ``array``'s shape carrying ``array``."""
@@ -131,6 +134,18 @@ def dispatch_traced(func, args, kwargs):
     written = schema.info(func).returned_written(args, kwargs)
     if written is not None:
         return written  # an in-place or out= op returns the tensors it wrote
+    if func in _SAME_TENSOR:
+        # Note [A traced wrapper keeps its strides]
+        #     A handle is made contiguous (`make_handle`), so a wrapper's strides are its
+        #     own, not its inner tensor's. Fakifying a non-leaf tensor that requires grad
+        #     detaches the fake wrapper (meta_utils' `_backward_error`) and then checks
+        #     that its strides survived; from the inner tensor they would not, for any
+        #     non-view, non-contiguous activation (a transposed head layout times a
+        #     rotary embedding: Transformers' queries into flex_attention), and torch
+        #     then fails with "Attempted to set the storage of a tensor on device tpu:0
+        #     to a storage on different device meta".
+        (self,) = args
+        return wrap_traced(out, self.shape, self.stride())
     return tree_map_only(torch.Tensor, wrap_traced, out)
 
 
