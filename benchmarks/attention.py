@@ -2,6 +2,7 @@
 
     python benchmarks/attention.py                      # lengths 2048, 4096, 8192
     python benchmarks/attention.py --lengths 1024 2048  # quicker
+    python benchmarks/attention.py --transformers       # through a Transformers model
 
 One causal sliding window of 256 keys (``create_block_mask``, blocks of 128), q, k, v
 float32 [1, 4, L, 64] on tpu, forward and backward in Strict mode, with
@@ -33,7 +34,7 @@ import torch
 import torchtpu
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-length, blocks, repeats = {length!r}, {blocks!r}, {repeats!r}
+length, blocks, repeats, transformers = {length!r}, {blocks!r}, {repeats!r}, {transformers!r}
 torchtpu.config.flex_blocks = blocks
 WINDOW = 256
 
@@ -56,14 +57,30 @@ def device_bytes(*keys):
 
 
 torch.manual_seed(0)
-q, k, v = (torch.randn(1, 4, length, 64).to("tpu").requires_grad_() for _ in range(3))
-mask = create_block_mask(window, None, None, length, length, device="tpu", BLOCK_SIZE=128)
+if transformers:  # Transformers makes the block mask and compiles flex_attention itself
+    import transformers as tr
 
+    config = tr.MistralConfig(
+        vocab_size=128, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, head_dim=64,
+        max_position_embeddings=length, sliding_window=WINDOW,
+    )
+    model = tr.MistralForCausalLM(config).to("tpu").train()
+    model.set_attn_implementation("flex_attention")
+    ids = torch.randint(0, 128, (1, length)).to("tpu")
 
-def step():
-    out = flex_attention(q, k, v, block_mask=mask)
-    out.sum().backward()
-    return float(q.grad.sum())
+    def step():
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        return float(loss)
+else:
+    q, k, v = (torch.randn(1, 4, length, 64).to("tpu").requires_grad_() for _ in range(3))
+    mask = create_block_mask(window, None, None, length, length, device="tpu", BLOCK_SIZE=128)
+
+    def step():
+        out = flex_attention(q, k, v, block_mask=mask)
+        out.sum().backward()
+        return float(q.grad.sum())
 
 
 step()  # compiles
@@ -89,8 +106,10 @@ print(json.dumps({{
 """
 
 
-def cell(length: int, blocks: str, repeats: int) -> dict:
-    code = _CELL.format(root=ROOT, length=length, blocks=blocks, repeats=repeats)
+def cell(length: int, blocks: str, repeats: int, transformers: bool = False) -> dict:
+    code = _CELL.format(
+        root=ROOT, length=length, blocks=blocks, repeats=repeats, transformers=transformers
+    )
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     if run.returncode:
         return {"error": (run.stderr.strip().splitlines() or ["?"])[-1][:120]}
@@ -106,16 +125,26 @@ def main():
     parser.add_argument("--lengths", type=int, nargs="*", default=[2048, 4096, 8192])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--require-quiet", action="store_true", help="refuse a busy machine")
+    parser.add_argument(
+        "--transformers", action="store_true",
+        help="a Transformers Mistral (2 layers, d 256, window 256) with flex_attention instead",
+    )  # fmt: skip
     args = parser.parse_args()
     quiet.check_before_start()  # (the cells' own processes would count as others' load)
-    print(f"`python benchmarks/attention.py --lengths {' '.join(map(str, args.lengths))}`: "
-          "FlexAttention, causal sliding window of 256, [1, 4, L, 64] float32, forward and "
+    what = (
+        "a Transformers MistralForCausalLM (2 layers, d 256, 4 heads of 64, sliding window "
+        "256), attn_implementation=\"flex_attention\", one sequence of L tokens"
+        if args.transformers
+        else "FlexAttention, causal sliding window of 256, [1, 4, L, 64] float32"
+    )
+    print(f"`python benchmarks/attention.py --lengths {' '.join(map(str, args.lengths))}"
+          f"{' --transformers' if args.transformers else ''}`: {what}, forward and "
           "backward, Strict\n")  # fmt: skip
     print("| L | blocks: time | dense: time | dense/blocks | blocks: peak RSS growth | "
           "dense: peak RSS growth | blocks: device peak | dense: device peak |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|")
     for length in args.lengths:
-        on, off = cell(length, "on", args.repeats), cell(length, "off", args.repeats)
+        on, off = (cell(length, b, args.repeats, args.transformers) for b in ("on", "off"))
         if "error" in on or "error" in off:
             print(f"| {length} | {on.get('error', '')} | {off.get('error', '')} | | | | | |")
             continue

@@ -229,11 +229,17 @@ def _counting(fn, calls):
     return counted
 
 
-def _compiled_flex(*args, **kwargs):
+def _compiled_flex(q, *args, **kwargs):
     # Dynamo keeps its graphs per code object, flex_attention's here: a new score_mod
     # is a recompile, and Dynamo stops at 8 (on every device); each test starts afresh.
+    # A graph of flex_attention alone runs eagerly (Note [A compiled flex_attention
+    # alone runs eagerly]): the clone makes it a graph that is traced.
     torch._dynamo.reset()
-    return torch.compile(flex_attention, backend="tpu", fullgraph=True)(*args, **kwargs)
+
+    def attend(q, *args, **kwargs):
+        return flex_attention(q.clone(), *args, **kwargs)
+
+    return torch.compile(attend, backend="tpu", fullgraph=True)(q, *args, **kwargs)
 
 
 def _jitted_flex(q, k, v, score_mod=None, block_mask=None, captured=(), **options):
@@ -357,6 +363,33 @@ def test_a_jitted_step_matches_the_cpu():
     assert torchtpu.metrics()["compiles"]["step"] == 1
 
 
+@pytest.mark.parametrize("blocks", ["auto", "off"])
+def test_a_compiled_flex_attention_alone_runs_eagerly_and_uses_its_blocks(mode, blocks, monkeypatch):
+    """``torch.compile(flex_attention)`` (how Transformers and TorchTitan call it) runs
+    eagerly, so a block mask's blocks are scored where they pay instead of the whole
+    score matrix being traced (Note [A compiled flex_attention alone runs eagerly])."""
+    monkeypatch.setattr(torchtpu.config, "flex_blocks", blocks)
+    torch._dynamo.reset()
+    torch.manual_seed(4)
+    q, k, v = (torch.randn(1, 2, 256, 16, dtype=torch.float64) for _ in range(3))
+
+    def window(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (q_idx - kv_idx < 32)
+
+    inputs = [tpu(t.float()).requires_grad_() for t in (q, k, v)]
+    mask = create_block_mask(window, None, None, 256, 256, device="tpu", BLOCK_SIZE=32)
+    out, lse = torch.compile(flex_attention, backend="tpu")(*inputs, block_mask=mask, return_lse=True)
+    (out.sum() + lse.sum()).backward()
+    q64, k64, v64 = (t.detach().requires_grad_() for t in (q, k, v))
+    out64, lse64 = reference(q64, k64, v64, mask_mod=window)
+    (out64.sum() + lse64.sum()).backward()
+    assert_same((out, lse), (out64.float(), lse64.float()), atol=1e-5, rtol=1e-5)
+    assert_same([t.grad for t in inputs], [t.grad.float() for t in (q64, k64, v64)], atol=1e-4, rtol=1e-4)
+    assert torchtpu.metrics().get("compiles", {}).get("graph", 0) == 0  # nothing traced
+    choice = "flex: blocks" if blocks == "auto" else "flex: dense: config.flex_blocks is 'off'"
+    assert torchtpu.metrics()["attention"] == {choice: 2}  # forward and backward
+
+
 def test_a_compiled_function_takes_a_strided_activation_that_requires_grad():
     """Fakifying a non-view, non-contiguous tensor with autograd history kept its
     strides only on the CPU: on tpu Dynamo raised "Attempted to set the storage of a
@@ -407,7 +440,8 @@ def test_transformers_offers_flex_attention_beside_torchtpu():
 @pytest.mark.parametrize("name", ["llama", "gemma2"])
 def test_transformers_models_train_with_flex_attention_as_on_the_cpu(name, mode, monkeypatch):
     """``attn_implementation="flex_attention"`` on tpu: Transformers makes its block
-    masks on tpu and compiles flex_attention with torch.compile's default backend.
+    masks on tpu and compiles flex_attention with torch.compile's default backend
+    (which runs it eagerly: Note [A compiled flex_attention alone runs eagerly]).
     Gemma 2 adds a sliding window and tanh soft-capping (a score_mod).
 
     Trained (loss, gradients, an AdamW step) against Transformers' eager attention on
@@ -422,11 +456,6 @@ def test_transformers_models_train_with_flex_attention_as_on_the_cpu(name, mode,
 
     from torchtpu.zoo import BY_NAME
 
-    # Not yet understood (docs/attention.md): after another torch.compile of
-    # flex_attention in the process (this file's compiled tests), Transformers' own
-    # compile of it fails in AOTAutograd's partitioner ("Node getitem_3 was invalid, but
-    # is output"); a fresh Dynamo state trains.
-    torch._dynamo.reset()
     arch = BY_NAME[name]
     model = arch.build()
     padded = arch.batch(model.config)  # the second row is left-padded

@@ -25,11 +25,24 @@ reach q, k, v and the tensors score_mod captures (a learned bias).
 
 Inside a trace the block mask's sparsity is not used yet: the scores are
 materialised, as torch's eager path on the CPU does.
+
+Note [A compiled flex_attention alone runs eagerly]
+    Transformers and TorchTitan call ``torch.compile(flex_attention)`` (the function
+    alone) and use it for every layer. Traced, its block mask's sparsity would be lost
+    (a program needs the most blocks a query block lists as a number when it is built;
+    a sliding window over 8k tokens then holds all 8k x 8k scores: 13.5 GiB a layer
+    on a TPU v5e, against 0.6 GiB in blocks). So the backend runs such a graph as it
+    is, on tpu tensors, as torch runs flex_attention outside torch.compile (there it
+    compiles itself with Dynamo's "eager" backend): the blocks are scored where they
+    pay (``config.flex_blocks``), in Strict as ops of their own, in DeferAndFuse as
+    part of the chunk; torch's autograd of the op takes the gradients. A model
+    compiled whole, with flex_attention inside, is traced as before.
 """
 
 from __future__ import annotations
 
 import importlib
+import operator
 
 import torch
 from torch.utils._pytree import tree_leaves, tree_map_only
@@ -88,6 +101,20 @@ def _gradients_computed(joint_graph, count: int) -> list:
         return [False] * count
     output = next(n for n in joint_graph.graph.nodes if n.op == "output")
     return [o is not None for o in output.args[0][-count:]]
+
+
+# What a graph that is one flex_attention call holds besides the call: its outputs taken
+# apart and the log-sum-exp scaled to base e (torch's ``_finalize_outputs``).
+_AROUND_A_LONE_CALL = frozenset({operator.getitem, operator.mul, torch.mul})
+
+
+def is_a_lone_call(gm: torch.fx.GraphModule) -> bool:
+    """Whether a Dynamo graph is one flex_attention call, as ``torch.compile(
+    flex_attention)`` makes it (Note [A compiled flex_attention alone runs eagerly])."""
+    calls = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    return calls.count(_hop.flex_attention) == 1 and all(
+        t is _hop.flex_attention or t in _AROUND_A_LONE_CALL for t in calls
+    )
 
 
 def _backward(*args):
