@@ -3,15 +3,18 @@
     python benchmarks/attention.py                      # lengths 2048, 4096, 8192
     python benchmarks/attention.py --lengths 1024 2048  # quicker
     python benchmarks/attention.py --transformers       # through a Transformers model
+    python benchmarks/attention.py --path compile       # compiled: the program's loop
 
 One causal sliding window of 256 keys (``create_block_mask``, blocks of 128), q, k, v
-float32 [1, 4, L, 64] on tpu, forward and backward in Strict mode, with
+float32 [1, 4, L, 64] on tpu, forward and backward in Strict mode (or, with ``--path``,
+under ``torch.compile(backend="tpu")`` or in a ``torchtpu.jit`` step), with
 ``torchtpu.config.flex_blocks`` "on" (compile/flex_blocks.py: only the blocks the mask
-lists are scored) and "off" (torch's dense implementation: every score of [L, L] is
-built and masked). Each cell runs in a fresh process: the median of ``--repeats`` steps
-after one that compiles, and the peak memory of those steps -- growth of the process's
-peak RSS over its resident size before them (JAX's CPU backend holds device arrays in
-the process) and, where JAX reports it (TPU, GPU), the device's peak bytes.
+lists are scored; in a compiled program, a loop over them, compile/flex_loop.py) and
+"off" (torch's dense implementation: every score of [L, L] is built and masked). Each cell runs in a fresh process: the median of ``--repeats`` steps
+after one that compiles, and the peak memory -- growth of the process's peak RSS over
+its resident size before the timed steps (JAX's CPU backend holds device arrays in the
+process) and, where JAX reports it (TPU, GPU), the device's peak bytes from before the
+first step (a compiled program's temporaries are held from its first call on).
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ import torchtpu
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 length, blocks, repeats, transformers = {length!r}, {blocks!r}, {repeats!r}, {transformers!r}
+path = {path!r}
 torchtpu.config.flex_blocks = blocks
 WINDOW = 256
 
@@ -75,21 +79,36 @@ if transformers:  # Transformers makes the block mask and compiles flex_attentio
         return float(loss)
 else:
     q, k, v = (torch.randn(1, 4, length, 64).to("tpu").requires_grad_() for _ in range(3))
-    mask = create_block_mask(window, None, None, length, length, device="tpu", BLOCK_SIZE=128)
+    # Made on the CPU: made on tpu, its dense [L, L] mask would be the device's peak.
+    mask = create_block_mask(window, None, None, length, length, device="cpu", BLOCK_SIZE=128)
+    mask = mask.to("tpu")
 
-    def step():
+    def attend():
         out = flex_attention(q, k, v, block_mask=mask)
         out.sum().backward()
-        return float(q.grad.sum())
+        return q.grad.sum()
+
+    if path == "compile":  # the sum makes it more than a lone flex_attention call
+        attend = torch.compile(attend, backend="tpu")
+    elif path == "jit":
+        attend = torchtpu.jit(attend)
+
+    def step():
+        for t in (q, k, v):
+            t.grad = None
+        return float(attend())
 
 
+# Before the first call: a compiled program's temporaries are reserved while it is
+# loaded, from its first call on (a TPU counts them apart, as bytes_reserved).
+device_before = device_bytes("bytes_in_use", "bytes_reserved")
 step()  # compiles
 try:
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # resets VmHWM to the current resident size
 except OSError:
     pass
-before, device_before = rss("VmRSS:"), device_bytes("bytes_in_use", "bytes_reserved")
+before = rss("VmRSS:")
 times = []
 for _ in range(repeats):
     start = time.perf_counter()
@@ -106,10 +125,11 @@ print(json.dumps({{
 """
 
 
-def cell(length: int, blocks: str, repeats: int, transformers: bool = False) -> dict:
+def cell(length: int, blocks: str, repeats: int, transformers: bool = False, path="strict") -> dict:
     code = _CELL.format(
-        root=ROOT, length=length, blocks=blocks, repeats=repeats, transformers=transformers
-    )
+        root=ROOT, length=length, blocks=blocks, repeats=repeats, transformers=transformers,
+        path=path,
+    )  # fmt: skip
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     if run.returncode:
         return {"error": (run.stderr.strip().splitlines() or ["?"])[-1][:120]}
@@ -129,7 +149,13 @@ def main():
         "--transformers", action="store_true",
         help="a Transformers Mistral (2 layers, d 256, window 256) with flex_attention instead",
     )  # fmt: skip
+    parser.add_argument(
+        "--path", choices=("strict", "compile", "jit"), default="strict",
+        help="eager Strict, torch.compile(backend='tpu') or a torchtpu.jit step",
+    )  # fmt: skip
     args = parser.parse_args()
+    if args.transformers and args.path != "strict":
+        parser.error("--transformers runs in Strict (Transformers compiles flex_attention itself)")
     quiet.check_before_start()  # (the cells' own processes would count as others' load)
     what = (
         "a Transformers MistralForCausalLM (2 layers, d 256, 4 heads of 64, sliding window "
@@ -137,14 +163,16 @@ def main():
         if args.transformers
         else "FlexAttention, causal sliding window of 256, [1, 4, L, 64] float32"
     )
+    how = {"strict": "Strict", "compile": "torch.compile", "jit": "torchtpu.jit"}[args.path]
     print(f"`python benchmarks/attention.py --lengths {' '.join(map(str, args.lengths))}"
-          f"{' --transformers' if args.transformers else ''}`: {what}, forward and "
-          "backward, Strict\n")  # fmt: skip
+          f"{' --transformers' if args.transformers else ''}"
+          f"{'' if args.path == 'strict' else ' --path ' + args.path}`: {what}, forward and "
+          f"backward, {how}\n")  # fmt: skip
     print("| L | blocks: time | dense: time | dense/blocks | blocks: peak RSS growth | "
           "dense: peak RSS growth | blocks: device peak | dense: device peak |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|")
     for length in args.lengths:
-        on, off = (cell(length, b, args.repeats, args.transformers) for b in ("on", "off"))
+        on, off = (cell(length, b, args.repeats, args.transformers, args.path) for b in ("on", "off"))
         if "error" in on or "error" in off:
             print(f"| {length} | {on.get('error', '')} | {off.get('error', '')} | | | | | |")
             continue

@@ -260,12 +260,23 @@ def _jitted_flex(q, k, v, score_mod=None, block_mask=None, captured=(), **option
     return out, lse
 
 
+@pytest.mark.parametrize("blocks", ["on", "auto"])
 @pytest.mark.parametrize("name", CASES)
 @pytest.mark.parametrize("path", ["compiled", "jit"])
-def test_score_mods_and_masks_compiled_match_the_cpu(name, path):
+def test_score_mods_and_masks_compiled_match_the_cpu(name, path, blocks, monkeypatch):
+    """In a trace the program loops over the block mask's lists ("on"; Note [Blockwise
+    FlexAttention in a trace]) or scores every key ("auto" at these lengths)."""
+    monkeypatch.setattr(torchtpu.config, "flex_blocks", blocks)
     inputs = _inputs()
     attend = _compiled_flex if path == "compiled" else _jitted_flex
     assert_same(_on_tpu(name, inputs, attend), _expected(name, inputs), atol=2e-5, rtol=2e-5)
+    traced = {k: n for k, n in torchtpu.metrics()["attention"].items() if "traced" in k or "loop" in k}
+    if name == "relative_bias":  # no block mask: one block holds every key
+        assert not traced
+    elif blocks == "on":
+        assert traced == {"flex: blocks, looped in the program": 2}  # forward and backward
+    else:
+        assert traced == {"flex: dense: traced, the keys span fewer than 16 blocks": 2}
 
 
 @pytest.mark.parametrize("path", ["eager", "compiled", "jit"])
@@ -331,6 +342,92 @@ def _model_and_expected():
     loss.backward()
     grads = [p.grad.float() for p in reference_model.parameters()]
     return model.to("tpu"), tpu(x), loss.float(), grads
+
+
+def _program_temporaries(monkeypatch) -> list:
+    """XLA's count of each compiled program's temporary bytes, as its programs run."""
+    from torchtpu.compile import program
+    from torchtpu.runtime import jax
+
+    temporaries = []
+    real_call = program.Program.__call__
+
+    def measured(self, static, arrays, device=0):
+        specs = [jax().ShapeDtypeStruct(a.shape, a.dtype) for a in arrays]
+        seed, offset = torchtpu.rng.peek(device)
+        compiled = self._jitted.lower(static, seed, offset, *specs).compile()
+        temporaries.append(compiled.memory_analysis().temp_size_in_bytes)
+        return real_call(self, static, arrays, device)
+
+    monkeypatch.setattr(program.Program, "__call__", measured)
+    return temporaries
+
+
+@pytest.mark.parametrize("path", ["compiled", "jit"])
+def test_a_compiled_sliding_window_holds_its_blocks_not_every_score(path, monkeypatch):
+    """In a compiled program a block mask's lists are looped over (Note [Blockwise
+    FlexAttention in a trace]): a window of 128 keys over 2048 holds [B, H, L, 128]
+    scores an iteration, where torch's dense implementation holds [B, H, L, 2048]
+    (8 MiB here); both match the CPU."""
+    length, window_size = 2048, 128
+    torch.manual_seed(5)
+    q, k, v = (torch.randn(1, 1, length, 8) for _ in range(3))
+
+    def window(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (q_idx - kv_idx < window_size)
+
+    q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
+    expected = reference(q64, k64, v64, mask_mod=window)[0]
+    expected.sum().backward()
+    mask = create_block_mask(window, None, None, length, length, device="tpu", BLOCK_SIZE=128)
+    temporaries = {}
+    for blocks in ("auto", "off"):
+        monkeypatch.setattr(torchtpu.config, "flex_blocks", blocks)
+        measured = _program_temporaries(monkeypatch)
+        inputs = [tpu(t).requires_grad_() for t in (q, k, v)]
+
+        def attend(inputs=inputs):
+            out = flex_attention(*inputs, block_mask=mask)
+            out.sum().backward()
+            return out
+
+        attend = torch.compile(attend, backend="tpu") if path == "compiled" else torchtpu.jit(attend)
+        torch._dynamo.reset()
+        for _ in range(1 if path == "compiled" else 2):  # torchtpu.jit traces at its second call
+            for t in inputs:
+                t.grad = None
+            out = attend()
+        assert_same(out, expected.float(), atol=1e-5, rtol=1e-5)
+        assert_same([t.grad for t in inputs], [t.grad.float() for t in (q64, k64, v64)], atol=1e-4, rtol=1e-4)
+        temporaries[blocks] = max(measured)
+    assert torchtpu.metrics()["attention"]["flex: blocks, looped in the program"] == 2
+    # XLA:TPU's memory_analysis reported no temporaries for either program (v5e, JAX
+    # 0.10.2); there benchmarks/attention.py --path compile measures the device's peak.
+    if temporaries["off"]:
+        assert temporaries["off"] >= length * length * 4 > 4 * temporaries["auto"]
+
+
+@pytest.mark.parametrize("blocks", ["on", "off"])
+def test_an_index_out_of_range_in_a_compiled_score_mod_raises(blocks, monkeypatch):
+    """A value check stated inside the program's loop over the lists (Note [Blockwise
+    FlexAttention in a trace]) is or-ed over its iterations and raised at the read, as
+    the dense implementation's is: a bias one short of the queries."""
+    monkeypatch.setattr(torchtpu.config, "flex_blocks", blocks)
+    torch._dynamo.reset()
+    q, k, v = (tpu(t.float()) for t in _inputs())
+    bias = tpu(torch.randn(L - 1))
+
+    def attend(q):
+        return flex_attention(
+            q.clone(), k, v, score_mod=lambda s, b, h, qi, kv: s + bias[qi],
+            block_mask=_block_mask(sliding_window, "tpu"),
+        )  # fmt: skip
+
+    out = torch.compile(attend, backend="tpu")(q)
+    with pytest.raises(IndexError, match="out of bounds"):
+        out.sum().item()
+    choice = "flex: blocks, looped in the program" if blocks == "on" else "flex: dense: config.flex_blocks is 'off'"
+    assert torchtpu.metrics()["attention"] == {choice: 1}
 
 
 def test_a_compiled_model_is_one_graph_and_matches_the_cpu():

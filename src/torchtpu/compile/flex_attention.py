@@ -10,9 +10,10 @@ subclass its own entry (``py_impl(TPUTensor)``), registered here:
 - on traced wrappers (Dynamo and AOTAutograd tracing a model on tpu, handles.py) the
   op runs on their inner tensors, so the graph holds the higher-order op itself with
   its score_mod and mask_mod graphs, as on CUDA;
-- on tpu tensors it scores only the blocks the block mask lists (flex_blocks.py), or
-  runs torch's own dense implementation (``sdpa_dense`` and ``sdpa_dense_backward``)
-  where those are unknown (in a trace) or would not pay: score_mod and mask_mod
+- on tpu tensors it scores only the blocks the block mask lists (flex_blocks.py; in a
+  trace, where their number is a value of the program, by a loop over them,
+  flex_loop.py), or runs torch's own dense implementation (``sdpa_dense`` and
+  ``sdpa_dense_backward``) where they would not pay: score_mod and mask_mod
   applied to the whole [B, H, L, S] score matrix through ``vmap``, in float32
   (float64 for float64 inputs), then a softmax that gives fully masked rows zeros.
   Either is ordinary tpu ops: in Strict each runs as its program, in DeferAndFuse
@@ -23,20 +24,20 @@ Autograd is torch's (``FlexAttentionAutogradOp``): score_mod's gradient graph is
 on fake tpu tensors (Note [Tpu tensors among fake tensors] in tensor.py), and gradients
 reach q, k, v and the tensors score_mod captures (a learned bias).
 
-Inside a trace the block mask's sparsity is not used yet: the scores are
-materialised, as torch's eager path on the CPU does.
-
 Note [A compiled flex_attention alone runs eagerly]
     Transformers and TorchTitan call ``torch.compile(flex_attention)`` (the function
-    alone) and use it for every layer. Traced, its block mask's sparsity would be lost
-    (a program needs the most blocks a query block lists as a number when it is built;
-    a sliding window over 8k tokens then holds all 8k x 8k scores: 13.5 GiB a layer
-    on a TPU v5e, against 0.6 GiB in blocks). So the backend runs such a graph as it
-    is, on tpu tensors, as torch runs flex_attention outside torch.compile (there it
-    compiles itself with Dynamo's "eager" backend): the blocks are scored where they
-    pay (``config.flex_blocks``), in Strict as ops of their own, in DeferAndFuse as
-    part of the chunk; torch's autograd of the op takes the gradients. A model
-    compiled whole, with flex_attention inside, is traced as before.
+    alone) and use it for every layer. The backend runs such a graph as it is, on tpu
+    tensors, as torch runs flex_attention outside torch.compile (there it compiles
+    itself with Dynamo's "eager" backend): the blocks are scored where they pay
+    (``config.flex_blocks``), in Strict as ops of their own, in DeferAndFuse as part
+    of the chunk; torch's autograd of the op takes the gradients. A model compiled
+    whole, with flex_attention inside, is traced (with a loop over the block mask's
+    lists: flex_loop.py). When this was decided a trace built every score (a sliding
+    window over 8k tokens: 13.5 GiB a layer on a TPU v5e, against 0.6 GiB in blocks);
+    since the loop, tracing the lone call would keep the blocks too, and on the v5e
+    the compiled loop takes 6.7 ms where Strict's eager blocks take 54 ms (8k keys,
+    docs/attention.md). Not switched back yet: eager also avoids a recompile fault of
+    AOTAutograd's with dynamic shapes (docs/attention.md, "Not there yet").
 """
 
 from __future__ import annotations
@@ -85,22 +86,13 @@ def _dense_backward(*args):
         return _hop.sdpa_dense_backward(*args)
     *head, buffers, mask_buffers = args
     joint_graph = head[8]
-    wanted = _gradients_computed(joint_graph, len(buffers))
+    wanted = flex_blocks.gradients_computed(joint_graph, len(buffers))
     buffers = tuple(
         b.detach().requires_grad_() if want and isinstance(b, torch.Tensor) else b
         for b, want in zip(buffers, wanted)
     )
     with torch.no_grad():
         return _hop.sdpa_dense_backward(*head, buffers, mask_buffers)
-
-
-def _gradients_computed(joint_graph, count: int) -> list:
-    """Per captured tensor, whether score_mod's joint graph returns its gradient (its
-    last ``count`` outputs; None where the tensor needed none when it was traced)."""
-    if joint_graph is None or not count:
-        return [False] * count
-    output = next(n for n in joint_graph.graph.nodes if n.op == "output")
-    return [o is not None for o in output.args[0][-count:]]
 
 
 # What a graph that is one flex_attention call holds besides the call: its outputs taken
@@ -111,9 +103,12 @@ _AROUND_A_LONE_CALL = frozenset({operator.getitem, operator.mul, torch.mul})
 def is_a_lone_call(gm: torch.fx.GraphModule) -> bool:
     """Whether a Dynamo graph is one flex_attention call, as ``torch.compile(
     flex_attention)`` makes it (Note [A compiled flex_attention alone runs eagerly])."""
-    calls = [n.target for n in gm.graph.nodes if n.op == "call_function"]
-    return calls.count(_hop.flex_attention) == 1 and all(
-        t is _hop.flex_attention or t in _AROUND_A_LONE_CALL for t in calls
+    # Methods (``q.clone()``) and modules count as calls too: only the call itself and
+    # the handling of its outputs may be there.
+    calls = [n for n in gm.graph.nodes if n.op in ("call_function", "call_method", "call_module")]
+    return sum(n.target is _hop.flex_attention for n in calls) == 1 and all(
+        n.op == "call_function" and (n.target is _hop.flex_attention or n.target in _AROUND_A_LONE_CALL)
+        for n in calls
     )
 
 

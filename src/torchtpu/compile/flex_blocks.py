@@ -20,10 +20,13 @@ L * (W + 2 blocks) rather than L * S.
 K is a value on the device, read once per block mask (cached by its tensors and their
 versions): so this runs where values can be read -- Strict, Debug and DeferAndFuse (a
 flush at a block mask's first use). Inside a trace (torch.compile, torchtpu.jit) a
-block mask's tensors have no values yet, and torch's dense implementation runs, as it
-does where the blocks would leave more than half of the scores (``config.flex_blocks``
-"auto"; "on": whenever values can be read, "off": never). ``torchtpu.metrics()
-["attention"]`` counts each choice with its reason.
+block mask's tensors have no values yet: there the program loops over the lists' slots
+instead (flex_loop.py, Note [Blockwise FlexAttention in a trace]) where the keys span
+at least ``LOOP_MIN_BLOCKS`` blocks. torch's dense implementation runs where the blocks
+would leave more than half of the scores, or a trace's keys span fewer blocks
+(``config.flex_blocks`` "auto"; "on": blocks or the loop wherever there is more than
+one block, "off": never). ``torchtpu.metrics()["attention"]`` counts each choice with
+its reason.
 """
 
 from __future__ import annotations
@@ -36,6 +39,9 @@ import torch
 from torch._dynamo._trace_wrapped_higher_order_op import TransformGetItemToIndex
 
 from torchtpu import config, tracing
+from torchtpu.compile import flex_loop
+from torchtpu.compile.program import tensor_of
+from torchtpu.dispatch.values import materialize
 from torchtpu.observe import metrics
 
 _hop = importlib.import_module("torch._higher_order_ops.flex_attention")
@@ -46,22 +52,39 @@ _hop = importlib.import_module("torch._higher_order_ops.flex_attention")
 _most_blocks: dict[int, tuple] = {}
 
 
-def blocks_to_visit(block_mask: tuple, kv_length: int) -> tuple[int, int] | None:
-    """(K partial, K full): the most blocks of each list any query block visits; None
-    where the dense implementation runs instead. Counts the choice and its reason."""
-    reason, most = _why_dense(block_mask, kv_length)
-    metrics.count("attention", "flex: blocks" if reason is None else f"flex: dense: {reason}")
+# In a trace, "auto" loops over the lists' slots only where the keys span at least this
+# many blocks: over fewer, the whole score matrix is small and one product computes it.
+LOOP_MIN_BLOCKS = 16
+
+# `blocks_to_visit`'s answer inside a trace: loop over the lists' slots (flex_loop.py).
+LOOP = "loop"
+
+
+def blocks_to_visit(block_mask: tuple, kv_length: int, dtype: torch.dtype):
+    """(K partial, K full): the most blocks of each list any query block visits; `LOOP`
+    inside a trace, where the program loops over the lists instead; None where the
+    dense implementation runs. Counts the choice and its reason."""
+    reason, most = _why_dense(block_mask, kv_length, dtype)
+    if reason is not None:
+        choice = f"flex: dense: {reason}"
+    else:
+        choice = "flex: blocks, looped in the program" if most == LOOP else "flex: blocks"
+    metrics.count("attention", choice)
     return most if reason is None else None
 
 
-def _why_dense(block_mask: tuple, kv_length: int):
+def _why_dense(block_mask: tuple, kv_length: int, dtype: torch.dtype):
     if config.flex_blocks == "off":
         return "config.flex_blocks is 'off'", None
-    if tracing.active() is not None:
-        return "traced (a block mask's block counts are not known while tracing)", None
     kv_block = block_mask[-2]
     if kv_block >= kv_length:
         return "one block holds every key (no mask, or a block as long as the keys)", None
+    if tracing.active() is not None:
+        if dtype == torch.float64:
+            return "traced float64 (the loop computes in float32)", None
+        if config.flex_blocks != "on" and kv_length < LOOP_MIN_BLOCKS * kv_block:
+            return f"traced, the keys span fewer than {LOOP_MIN_BLOCKS} blocks", None
+        return None, LOOP
     most = _most(block_mask[2], block_mask[4])
     if config.flex_blocks != "on" and 2 * sum(most) * kv_block > kv_length:
         return "the listed blocks hold more than half of the scores", None
@@ -191,12 +214,19 @@ def forward(query, key, value, score_mod, block_mask, scale, kernel_options, sco
     """The flex_attention op's (out, log2-sum-exp, log2 max score), torch's dense
     implementation's results, from the listed blocks only (or by it, where those are
     not known or would not pay)."""
-    most = blocks_to_visit(block_mask, key.size(2))
+    most = blocks_to_visit(block_mask, key.size(2), query.dtype)
     if most is None:
         return _hop.sdpa_dense(
             query, key, value, score_mod, block_mask, scale, kernel_options, score_buffers, mask_buffers
         )
     key, value = _heads_and_batch(query, key, value)
+    if most == LOOP:
+        out, lse, top = flex_loop.forward(
+            query, key, value, score_mod, block_mask, scale, score_buffers, mask_buffers, _vmap_gathered
+        )
+        out = _hop._permute_strides(tensor_of(out, query.dtype), query.stride())
+        lse, top = (tensor_of(flex_loop.log2(x), torch.float32) for x in (lse, top))
+        return out, lse, top
     at = _Gathered(block_mask, most, query.shape[:3], key.size(2))
     _, modded, _, _ = _scores(query, key, score_mod, block_mask, scale, at, score_buffers, mask_buffers)
     lse = modded.logsumexp(-1)
@@ -215,7 +245,7 @@ def backward(
     """The flex_attention_backward op's (grad q, grad k, grad v, grads of score_mod's
     captured tensors), from the listed blocks only; ``dense`` where they are not known
     or would not pay."""
-    most = blocks_to_visit(block_mask, key.size(2))
+    most = blocks_to_visit(block_mask, key.size(2), query.dtype)
     if most is None:
         return dense(
             query, key, value, out, logsumexp, grad_out, grad_logsumexp, fw_graph, joint_graph,
@@ -234,11 +264,80 @@ def backward(
     kv_batch, kv_heads = key.size(0), key.size(1)
     key_in, value_in = key, value
     key, value = _heads_and_batch(query, key, value)
-    at = _Gathered(block_mask, most, query.shape[:3], key.size(2))
     if grad_out is None:
         grad_out = torch.zeros_like(out)
     if grad_logsumexp is None:
         grad_logsumexp = torch.zeros_like(logsumexp)
+    args = (
+        query, key, value, out, logsumexp, grad_out, grad_logsumexp, fw_graph, joint_graph,
+        block_mask, scale, score_buffers, mask_buffers,
+    )  # fmt: skip
+    if most == LOOP:
+        grad_query, grad_key, grad_value, grad_captured = _looped_backward(*args)
+    else:
+        grad_query, grad_key, grad_value, grad_captured = _gathered_backward(most, *args)
+
+    groups = query.size(1) // kv_heads
+    grad_key = grad_key.unflatten(1, (kv_heads, groups)).sum(2)
+    grad_value = grad_value.unflatten(1, (kv_heads, groups)).sum(2)
+    if query.size(0) != kv_batch:
+        grad_key = grad_key.sum(0, keepdim=True)
+        grad_value = grad_value.sum(0, keepdim=True)
+    grad_query = _hop._permute_strides(grad_query.to(query.dtype), query.stride())
+    grad_key = _hop._permute_strides(grad_key.to(key_in.dtype), key_in.stride())
+    grad_value = _hop._permute_strides(grad_value.to(value_in.dtype), value_in.stride())
+    captured = tuple(
+        torch.empty_like(b, memory_format=torch.contiguous_format).copy_(g)
+        if want and g is not None
+        else None
+        for b, g, want in zip(score_buffers, grad_captured, _gradients_wanted(joint_graph, score_buffers))
+    )
+    return grad_query, grad_key, grad_value, captured
+
+
+def gradients_computed(joint_graph, count: int) -> list:
+    """Per captured tensor, whether score_mod's joint graph returns its gradient (its
+    last ``count`` outputs; None where the tensor needed none when it was traced)."""
+    if joint_graph is None or not count:
+        return [False] * count
+    output = next(n for n in joint_graph.graph.nodes if n.op == "output")
+    return [o is not None for o in output.args[0][-count:]]
+
+
+def _gradients_wanted(joint_graph, buffers) -> list:
+    """Per captured tensor, whether the op returns its gradient: where it requires one;
+    in a trace, whose tensors never do, where score_mod's joint graph computes one (the
+    program traced needs those its joint graph was made for)."""
+    if tracing.active() is not None:
+        return gradients_computed(joint_graph, len(buffers))
+    return [isinstance(b, torch.Tensor) and b.requires_grad for b in buffers]
+
+
+def _looped_backward(
+    query, key, value, out, logsumexp, grad_out, grad_logsumexp, fw_graph, joint_graph,
+    block_mask, scale, score_buffers, mask_buffers,
+):  # fmt: skip
+    """`_gathered_backward`'s results from a loop in the program (flex_loop.py)."""
+    # logsumexp and its gradient in log2 (the forward op's), back to natural logs.
+    lse = materialize(logsumexp) * math.log(2)
+    grad_lse = materialize(grad_logsumexp) / math.log(2)
+    grads = flex_loop.backward(
+        query, key, value, out, lse, grad_out, grad_lse, fw_graph, joint_graph,
+        block_mask, scale, score_buffers, mask_buffers, _vmap_gathered,
+        _gradients_wanted(joint_graph, score_buffers),
+    )  # fmt: skip
+    grad_query, grad_key, grad_value = (tensor_of(g, torch.float32) for g in grads[:3])
+    captured = [None if g is None else tensor_of(g, torch.float32) for g in grads[3]]
+    return grad_query, grad_key, grad_value, captured
+
+
+def _gathered_backward(
+    most, query, key, value, out, logsumexp, grad_out, grad_logsumexp, fw_graph, joint_graph,
+    block_mask, scale, score_buffers, mask_buffers,
+):  # fmt: skip
+    """(grad q, grad k, grad v with the query's batch and heads, the gradients of
+    score_mod's captured tensors) from the ``most`` listed blocks, gathered at once."""
+    at = _Gathered(block_mask, most, query.shape[:3], key.size(2))
     # logsumexp and its gradient in log2 (the forward op's), back to natural logs.
     logsumexp = at.rows(logsumexp.unsqueeze(-1)).squeeze(-1) * math.log(2)
     grad_logsumexp = at.rows(grad_logsumexp.unsqueeze(-1)).squeeze(-1) / math.log(2)
@@ -266,20 +365,4 @@ def backward(
     grad_scores = torch.where(keep, (grad_scores * scale).to(query.dtype), 0)
     grad_query = at.unrows(grad_scores @ keys)
     grad_key = at.add_back(grad_scores.transpose(-2, -1) @ at.rows(query), key)
-
-    groups = query.size(1) // kv_heads
-    grad_key = grad_key.unflatten(1, (kv_heads, groups)).sum(2)
-    grad_value = grad_value.unflatten(1, (kv_heads, groups)).sum(2)
-    if query.size(0) != kv_batch:
-        grad_key = grad_key.sum(0, keepdim=True)
-        grad_value = grad_value.sum(0, keepdim=True)
-    grad_query = _hop._permute_strides(grad_query.to(query.dtype), query.stride())
-    grad_key = _hop._permute_strides(grad_key.to(key_in.dtype), key_in.stride())
-    grad_value = _hop._permute_strides(grad_value.to(value_in.dtype), value_in.stride())
-    captured = tuple(
-        torch.empty_like(b, memory_format=torch.contiguous_format).copy_(g)
-        if isinstance(b, torch.Tensor) and b.requires_grad and g is not None
-        else None
-        for b, g in zip(score_buffers, grad_captured)
-    )
-    return grad_query, grad_key, grad_value, captured
+    return grad_query, grad_key, grad_value, grad_captured
