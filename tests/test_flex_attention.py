@@ -460,21 +460,24 @@ def test_a_jitted_step_matches_the_cpu():
     assert torchtpu.metrics()["compiles"]["step"] == 1
 
 
+@pytest.mark.parametrize("length", [256, 512])
 @pytest.mark.parametrize("blocks", ["auto", "off"])
-def test_a_compiled_flex_attention_alone_runs_eagerly_and_uses_its_blocks(mode, blocks, monkeypatch):
-    """``torch.compile(flex_attention)`` (how Transformers and TorchTitan call it) runs
-    eagerly, so a block mask's blocks are scored where they pay instead of the whole
-    score matrix being traced (Note [A compiled flex_attention alone runs eagerly])."""
+def test_a_compiled_flex_attention_alone_runs_eagerly_or_loops(mode, blocks, length, monkeypatch):
+    """``torch.compile(flex_attention)`` (how Transformers and TorchTitan call it) is
+    traced where the program would loop over the block mask's lists (16 blocks of 32
+    keys and more), else runs eagerly, so that its blocks are scored where they pay
+    rather than the whole score matrix traced (Note [A compiled flex_attention alone
+    runs eagerly])."""
     monkeypatch.setattr(torchtpu.config, "flex_blocks", blocks)
     torch._dynamo.reset()
     torch.manual_seed(4)
-    q, k, v = (torch.randn(1, 2, 256, 16, dtype=torch.float64) for _ in range(3))
+    q, k, v = (torch.randn(1, 2, length, 16, dtype=torch.float64) for _ in range(3))
 
     def window(b, h, q_idx, kv_idx):
         return (q_idx >= kv_idx) & (q_idx - kv_idx < 32)
 
     inputs = [tpu(t.float()).requires_grad_() for t in (q, k, v)]
-    mask = create_block_mask(window, None, None, 256, 256, device="tpu", BLOCK_SIZE=32)
+    mask = create_block_mask(window, None, None, length, length, device="tpu", BLOCK_SIZE=32)
     out, lse = torch.compile(flex_attention, backend="tpu")(*inputs, block_mask=mask, return_lse=True)
     (out.sum() + lse.sum()).backward()
     q64, k64, v64 = (t.detach().requires_grad_() for t in (q, k, v))
@@ -482,9 +485,13 @@ def test_a_compiled_flex_attention_alone_runs_eagerly_and_uses_its_blocks(mode, 
     (out64.sum() + lse64.sum()).backward()
     assert_same((out, lse), (out64.float(), lse64.float()), atol=1e-5, rtol=1e-5)
     assert_same([t.grad for t in inputs], [t.grad.float() for t in (q64, k64, v64)], atol=1e-4, rtol=1e-4)
-    assert torchtpu.metrics().get("compiles", {}).get("graph", 0) == 0  # nothing traced
-    choice = "flex: blocks" if blocks == "auto" else "flex: dense: config.flex_blocks is 'off'"
-    assert torchtpu.metrics()["attention"] == {choice: 2}  # forward and backward
+    graphs = torchtpu.metrics().get("compiles", {}).get("graph", 0)
+    if blocks == "off":
+        choice = "flex: dense: config.flex_blocks is 'off'"
+    else:
+        choice = "flex: blocks" if length == 256 else "flex: blocks, looped in the program"
+    assert graphs == (2 if "looped" in choice else 0)  # forward and backward, or none
+    assert torchtpu.metrics()["attention"] == {choice: 2}
 
 
 def test_a_compiled_function_takes_a_strided_activation_that_requires_grad():

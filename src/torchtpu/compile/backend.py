@@ -269,7 +269,7 @@ def tpu_backend(gm: torch.fx.GraphModule, example_inputs, **options):
     """The Dynamo backend: ``torch.compile(model, backend="tpu")``."""
     if options:
         raise TypeError(f"torch.compile(backend='tpu') takes no options, got {sorted(options)}")
-    if flex_attention.is_a_lone_call(gm):
+    if flex_attention.runs_eagerly(gm):
         return gm  # Note [A compiled flex_attention alone runs eagerly]
     # Note [Compiling the backward while the forward compiles] (program.py)
     with _compat.aot_compiles_backward_with_forward():

@@ -26,18 +26,17 @@ reach q, k, v and the tensors score_mod captures (a learned bias).
 
 Note [A compiled flex_attention alone runs eagerly]
     Transformers and TorchTitan call ``torch.compile(flex_attention)`` (the function
-    alone) and use it for every layer. The backend runs such a graph as it is, on tpu
-    tensors, as torch runs flex_attention outside torch.compile (there it compiles
-    itself with Dynamo's "eager" backend): the blocks are scored where they pay
-    (``config.flex_blocks``), in Strict as ops of their own, in DeferAndFuse as part
+    alone) and use it for every layer. Traced, such a graph loops over its block
+    mask's lists where the keys span enough blocks (flex_loop.py); on a TPU v5e that
+    loop takes 6.7 ms for a sliding window over 8k keys, forward and backward, where
+    the same blocks scored eagerly take 54 ms in Strict (launch-bound: ops of their
+    own). Over fewer blocks a trace would score every key; eagerly, the listed blocks
+    are scored where they hold at most half of the scores. So the backend traces a
+    lone call that would loop and runs the others as they are, on tpu tensors, as
+    torch runs flex_attention outside torch.compile (there it compiles itself with
+    Dynamo's "eager" backend): in Strict as ops of their own, in DeferAndFuse as part
     of the chunk; torch's autograd of the op takes the gradients. A model compiled
-    whole, with flex_attention inside, is traced (with a loop over the block mask's
-    lists: flex_loop.py). When this was decided a trace built every score (a sliding
-    window over 8k tokens: 13.5 GiB a layer on a TPU v5e, against 0.6 GiB in blocks);
-    since the loop, tracing the lone call would keep the blocks too, and on the v5e
-    the compiled loop takes 6.7 ms where Strict's eager blocks take 54 ms (8k keys,
-    docs/attention.md). Not switched back yet: eager also avoids a recompile fault of
-    AOTAutograd's with dynamic shapes (docs/attention.md, "Not there yet").
+    whole, with flex_attention inside, is always traced.
 """
 
 from __future__ import annotations
@@ -98,6 +97,22 @@ def _dense_backward(*args):
 # What a graph that is one flex_attention call holds besides the call: its outputs taken
 # apart and the log-sum-exp scaled to base e (torch's ``_finalize_outputs``).
 _AROUND_A_LONE_CALL = frozenset({operator.getitem, operator.mul, torch.mul})
+
+
+def runs_eagerly(gm: torch.fx.GraphModule) -> bool:
+    """Whether a Dynamo graph is one flex_attention call, as ``torch.compile(
+    flex_attention)`` makes it, that traced would not loop over its block mask's lists
+    (Note [A compiled flex_attention alone runs eagerly])."""
+    if not is_a_lone_call(gm):
+        return False
+    call = next(n for n in gm.graph.nodes if n.target is _hop.flex_attention)
+    query, key, block_mask = call.args[0], call.args[1], call.args[4]
+    query, key = (n.meta.get("example_value") for n in (query, key))
+    kv_block = block_mask[-2] if isinstance(block_mask, tuple) else None
+    if query is None or key is None or type(kv_block) is not int:
+        return True
+    kv_length = key.shape[-2]
+    return type(kv_length) is not int or not flex_blocks.loops_when_traced(kv_block, kv_length, query.dtype)
 
 
 def is_a_lone_call(gm: torch.fx.GraphModule) -> bool:

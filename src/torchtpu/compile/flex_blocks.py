@@ -74,21 +74,40 @@ def blocks_to_visit(block_mask: tuple, kv_length: int, dtype: torch.dtype):
 
 
 def _why_dense(block_mask: tuple, kv_length: int, dtype: torch.dtype):
-    if config.flex_blocks == "off":
-        return "config.flex_blocks is 'off'", None
-    kv_block = block_mask[-2]
-    if kv_block >= kv_length:
-        return "one block holds every key (no mask, or a block as long as the keys)", None
+    reason = _why_dense_anyway(block_mask[-2], kv_length)
+    if reason is not None:
+        return reason, None
     if tracing.active() is not None:
-        if dtype == torch.float64:
-            return "traced float64 (the loop computes in float32)", None
-        if config.flex_blocks != "on" and kv_length < LOOP_MIN_BLOCKS * kv_block:
-            return f"traced, the keys span fewer than {LOOP_MIN_BLOCKS} blocks", None
-        return None, LOOP
+        reason = _why_not_looped(block_mask[-2], kv_length, dtype)
+        return reason, LOOP if reason is None else None
+    kv_block = block_mask[-2]
     most = _most(block_mask[2], block_mask[4])
     if config.flex_blocks != "on" and 2 * sum(most) * kv_block > kv_length:
         return "the listed blocks hold more than half of the scores", None
     return None, most
+
+
+def _why_dense_anyway(kv_block: int, kv_length: int) -> str | None:
+    if config.flex_blocks == "off":
+        return "config.flex_blocks is 'off'"
+    if kv_block >= kv_length:
+        return "one block holds every key (no mask, or a block as long as the keys)"
+    return None
+
+
+def _why_not_looped(kv_block: int, kv_length: int, dtype: torch.dtype) -> str | None:
+    """In a trace, why the dense implementation runs instead of the loop, or None."""
+    if dtype == torch.float64:
+        return "traced float64 (the loop computes in float32)"
+    if config.flex_blocks != "on" and kv_length < LOOP_MIN_BLOCKS * kv_block:
+        return f"traced, the keys span fewer than {LOOP_MIN_BLOCKS} blocks"
+    return None
+
+
+def loops_when_traced(kv_block: int, kv_length: int, dtype: torch.dtype) -> bool:
+    """Whether a call with a block mask of ``kv_block`` keys a block over ``kv_length``
+    keys loops over its lists when traced (Note [Blockwise FlexAttention in a trace])."""
+    return _why_dense_anyway(kv_block, kv_length) is None and _why_not_looped(kv_block, kv_length, dtype) is None
 
 
 def _most(kv_num: torch.Tensor, full_num: torch.Tensor | None) -> tuple[int, int]:
