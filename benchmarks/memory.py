@@ -24,8 +24,9 @@ Two figures per cell:
 Workloads: an MLP of 6 linear layers (width 4096: 101M parameters, P = 384 MiB) with
 AdamW at batch 64; a GPT (benchmarks/gpt.py's, 4 layers, d 512, 8x256 tokens,
 float32) with AdamW; the MLP fine-tuned with gradient accumulation over 4 micro-batches. Paths: torch CPU, Strict,
-DeferAndFuse, ``torch.compile(step, backend="tpu")`` and ``torchtpu.jit(step)``. The
-ratio column divides by torch CPU's peak growth.
+DeferAndFuse, ``torch.compile(step, backend="tpu")`` and ``torchtpu.jit(step)``; and
+torch CPU with ``AdamW(foreach=True)`` (PATHS). The ratio columns divide by the first
+path's peak growth (torch CPU's).
 """
 
 from __future__ import annotations
@@ -37,7 +38,10 @@ import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PATHS = ("cpu", "strict", "defer", "compile", "jit")
+# "cpu foreach": torch on the CPU with AdamW(foreach=True), the algorithm torch picks on
+# CUDA and on tpu (a list of moment-sized temporaries per update), where on the CPU it
+# updates one parameter at a time: the like-for-like bar for the eager paths.
+PATHS = ("cpu", "cpu foreach", "strict", "defer", "compile", "jit")
 WORKLOADS = ("mlp adamw", "gpt adamw", "mlp accumulation")
 
 # Run in a child process: prints one JSON line.
@@ -48,7 +52,7 @@ import torch, torch.nn as nn, torch.nn.functional as F
 import torchtpu
 
 workload, path, scale, steps = {workload!r}, {path!r}, {scale!r}, {steps!r}
-device = "cpu" if path == "cpu" else "tpu"
+device = "cpu" if path.startswith("cpu") else "tpu"
 if path in ("strict", "defer"):
     torchtpu.set_eager_mode(path)
 torch.manual_seed(0)
@@ -90,7 +94,7 @@ else:
         logits = model(tokens[i, :, :-1])
         return F.cross_entropy(logits.reshape(-1, 8192), tokens[i, :, 1:].reshape(-1))
 
-opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True if path == "cpu foreach" else None)
 
 
 def step():
@@ -146,19 +150,21 @@ def main():
     parser.add_argument("--scale", type=float, default=1.0, help="width factor")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--only", default="")
+    parser.add_argument("--paths", default=",".join(PATHS), help="a comma-separated subset")
     args = parser.parse_args()
+    paths = [p for p in PATHS if p in args.paths.split(",")]
     print(f"`{' '.join(['python', *sys.argv])}`: peak growth over {args.steps} steps, in P\n")
-    print("| workload | P | " + " | ".join(PATHS) + " | " + " | ".join(
-        f"{p}/cpu" for p in PATHS[1:]) + " | device peak (" + ", ".join(PATHS[1:])
+    print("| workload | P | " + " | ".join(paths) + " | " + " | ".join(
+        f"{p}/cpu" for p in paths[1:]) + " | device peak (" + ", ".join(paths[1:])
         + ") | device peak / cpu growth |")  # fmt: skip
-    print("|---" * (3 + 2 * (len(PATHS) - 1)) + "|---|---|")
+    print("|---" * (3 + 2 * (len(paths) - 1)) + "|---|---|")
     for workload in WORKLOADS:
         if args.only not in workload:
             continue
-        cells = {path: cell(workload, path, args.scale, args.steps) for path in PATHS}
+        cells = {path: cell(workload, path, args.scale, args.steps) for path in paths}
         params = next((c["params"] for c in cells.values() if "params" in c), None)
         if params is None:
-            print(f"| {workload} | failed: {cells['cpu'].get('error')} |", flush=True)
+            print(f"| {workload} | failed: {cells[paths[0]].get('error')} |", flush=True)
             continue
 
         def units(c, key="growth", params=params):
@@ -166,19 +172,19 @@ def main():
                 return f"failed: {c['error']}"
             return "-" if c.get(key) is None else f"{c[key] / params:.2f} P"
 
-        base = cells["cpu"].get("growth")
+        base = cells[paths[0]].get("growth")
 
         def ratios(key, cells=cells, base=base):
             return [
                 f"{c[key] / base:.2f}" if c.get(key) is not None and base else "-"
-                for c in (cells[p] for p in PATHS[1:])
+                for c in (cells[p] for p in paths[1:])
             ]
 
         print(
             f"| {workload} | {params / 2**20:.0f} MiB | "
-            + " | ".join(units(cells[p]) for p in PATHS)
+            + " | ".join(units(cells[p]) for p in paths)
             + " | " + " | ".join(ratios("growth")) + " | "
-            + ", ".join(units(cells[p], "device") for p in PATHS[1:]) + " | "
+            + ", ".join(units(cells[p], "device") for p in paths[1:]) + " | "
             + ", ".join(ratios("device")) + " |",
             flush=True,
         )  # fmt: skip
