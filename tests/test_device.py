@@ -194,6 +194,12 @@ def test_memory_allocated_moves_by_a_tensors_size():
     assert torch.tpu.memory_reserved() >= torch.tpu.memory_allocated()
     stats = torch.tpu.memory_stats()
     assert stats["source"] in ("jax", "live arrays")
+    # The keys of CUDA's allocator a training loop's monitor reads (TorchTitan's):
+    # every allocated byte is active, reserved keeps its peak, nothing is retried.
+    assert stats["active_bytes.all.current"] == stats["allocated_bytes.all.current"]
+    assert stats["active_bytes.all.peak"] == stats["allocated_bytes.all.peak"]
+    assert stats["reserved_bytes.all.peak"] >= stats["reserved_bytes.all.current"] >= 1024 * 256 * 4
+    assert stats["num_alloc_retries"] == 0
     del x
     assert torch.tpu.memory_allocated() == before
     torch.tpu.reset_peak_memory_stats()
@@ -241,6 +247,7 @@ def test_out_of_memory_is_torchs_and_a_smaller_batch_then_runs(mode):
     # Inputs of four times the device's memory (on the CPU backend, the host's).
     too_many = 1 << (4 * torch.tpu.mem_get_info()[1] // 4096).bit_length()
     losses, batch = [], too_many
+    ooms = torch.tpu.memory_stats()["num_ooms"]
     while True:
         try:
             losses.append(_step(model, batch))
@@ -251,6 +258,7 @@ def test_out_of_memory_is_torchs_and_a_smaller_batch_then_runs(mode):
             torch.tpu.empty_cache()
             batch = 16
     assert batch == 16
+    assert torch.tpu.memory_stats()["num_ooms"] == ooms + 1
     expected = cpu_model(torch.ones(16, 1024) * 0.01).sum().item() / 16
     assert losses == [pytest.approx(expected, rel=1e-5)]
     assert_same(model.weight, cpu_model.weight)
@@ -266,8 +274,10 @@ def test_per_process_memory_fraction_is_a_limit(mode):
         torch.tpu.set_per_process_memory_fraction((allocated + (8 << 20)) / total)
         assert torch.tpu.get_per_process_memory_fraction() < 1
         small = torch.ones(1 << 20, device="tpu")  # 4 MiB
+        ooms = torch.tpu.memory_stats()["num_ooms"]
         with pytest.raises(torch.OutOfMemoryError, match=r"aten\.ones\.default tried to allocate 16\.00 MiB.*set_per_process_memory_fraction"):
             torch.ones(4 << 20, device="tpu")
+        assert torch.tpu.memory_stats()["num_ooms"] == ooms + 1  # as CUDA's allocator counts
         assert small.sum().item() == 1 << 20
     finally:
         torch.tpu.set_per_process_memory_fraction(1.0)

@@ -54,6 +54,11 @@ from torchtpu.runtime import index_of as _index
 # and the device's own peak at that reset (a TPU's peak cannot be reset, only compared).
 _peaks: dict[int, int] = {}
 _device_peak_at_reset: dict[int, int] = {}
+# Per device index: the largest reserved count a call has seen since the last reset,
+# and the torch.OutOfMemoryErrors raised (CUDA's allocator reports both; training
+# loops' monitors read them, TorchTitan's among them).
+_reserved_peaks: dict[int, int] = {}
+_out_of_memory_errors: dict[int, int] = {}
 # Per device index: the bytes `set_per_process_memory_fraction` allows (read by the
 # dispatcher on every op: empty unless a user set one).
 limits: dict[int, int] = {}
@@ -77,10 +82,19 @@ def memory_stats(device=None) -> dict:
         limit, source = int(stats.get("bytes_limit", 0)), "jax"
     else:
         reserved, limit, source = current, 0, "live arrays"
+    reserved = max(reserved, current)
+    reserved_peak = _reserved_peaks[index] = max(_reserved_peaks.get(index, 0), reserved, peak)
     return {
         "allocated_bytes.all.current": current,
         "allocated_bytes.all.peak": peak,
-        "reserved_bytes.all.current": max(reserved, current),
+        # No caching allocator stands between tensors and the device's buffers: every
+        # allocated byte is active, and an allocation is never retried after freeing.
+        "active_bytes.all.current": current,
+        "active_bytes.all.peak": peak,
+        "reserved_bytes.all.current": reserved,
+        "reserved_bytes.all.peak": reserved_peak,
+        "num_alloc_retries": 0,
+        "num_ooms": _out_of_memory_errors.get(index, 0),
         "bytes_limit": limit,
         "source": source,
     }
@@ -131,6 +145,7 @@ def max_memory_reserved(device=None) -> int:
 def reset_peak_memory_stats(device=None) -> None:
     index = _index(device)
     _peaks.pop(index, None)
+    _reserved_peaks.pop(index, None)
     _device_peak_at_reset[index] = _device_peak(_device_stats(devices()[index]) or {})
 
 
@@ -176,6 +191,7 @@ def check_room(nbytes: int, what, device: int) -> None:
         return
     allocated = memory_allocated(device)
     if allocated + nbytes > limit:
+        _out_of_memory_errors[device] = _out_of_memory_errors.get(device, 0) + 1
         raise torch.OutOfMemoryError(
             _message(what, nbytes, device, f"{_size(limit)} allowed to this process "
                      "(set_per_process_memory_fraction)")
@@ -190,6 +206,7 @@ def out_of_memory(exc: BaseException, what, device: int) -> BaseException:
         return exc
     error = torch.OutOfMemoryError(_message(what, _asked(text), device, text.splitlines()[0]))
     error.__cause__ = exc
+    _out_of_memory_errors[device] = _out_of_memory_errors.get(device, 0) + 1
     return error
 
 
