@@ -36,16 +36,28 @@ def _is_library(filename: str) -> bool:
     return known
 
 
-def user_frame() -> str:
+def user_frame(frame=None) -> str:
     """``file:line in function`` of the innermost caller outside torch, torchtpu, JAX and
-    the standard library."""
-    frame = sys._getframe(1)
+    the standard library (from ``frame`` outwards; the caller's by default)."""
+    frame = sys._getframe(1) if frame is None else frame
     while frame is not None:
         code = frame.f_code
         if not _is_library(code.co_filename) and not _generated_by_library(frame):
             return location(code.co_filename, frame.f_lineno, code.co_name)
         frame = frame.f_back
     return "<unknown>"
+
+
+def read_by_torch() -> str | None:
+    """The user's line of a read of values that torch's own code asked for (``mask.any()``
+    in the rejection loop of ``nn.init.trunc_normal_``), or None where code outside torch
+    asked (a user's ``.item()``): the caller's first frame outside torchtpu decides."""
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR + os.sep):
+        frame = frame.f_back
+    if frame is None or not frame.f_code.co_filename.startswith(_TORCH_DIR + os.sep):
+        return None
+    return user_frame(frame)
 
 
 def _generated_by_library(frame) -> bool:

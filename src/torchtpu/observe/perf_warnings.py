@@ -15,7 +15,11 @@ Note [What counts as recompiling]
     warns after ``config.recompile_warn_after`` such epochs, or after eight times as
     many compiles outside its first epoch (a loop whose epochs hold several compiles
     each). A loop that neither reads nor steps is one epoch: its compiles are not told
-    from a first step's.
+    from a first step's. A read torch's own code asks for does not end an epoch for
+    the line it was made from: TorchTitan initialises each parameter from one line
+    with ``nn.init.trunc_normal_``, whose rejection loop reads ``mask.any()``, so each
+    parameter's shape compiled ``normal_`` "in another epoch" and the line warned
+    after 8 shapes, compiled once each.
 """
 
 from __future__ import annotations
@@ -51,18 +55,25 @@ optimizer_steps = 0
 reads = 0
 
 # (kind, user line) -> [compiles, epochs with a compile, epoch of the last, last key,
-# compiles outside the first epoch with a compile]
+# compiles outside the first epoch with a compile, reads torch made from that line
+# when it last compiled]
 _compiles: dict[tuple[str, str], list] = {}
+# user line -> the epochs ended by reads torch's own code made from it (Note [What
+# counts as recompiling]).
+_reads_by_torch: dict[str, int] = {}
 _warned_lines: set[str] = set()
 # user line -> [flushes, warned]
 _flushes: dict[str, list] = {}
 
 
-def note_read(value_read: bool = True) -> None:
-    """A value was read (``value_read``), or DeferAndFuse ran a chunk for another reason."""
+def note_read(value_read: bool = True, by_torch_at: str | None = None) -> None:
+    """A value was read (``value_read``; asked by torch's own code from user line
+    ``by_torch_at``, where it was), or DeferAndFuse ran a chunk for another reason."""
     global epoch, reads
     epoch += 1
     reads += value_read
+    if by_torch_at is not None:
+        _reads_by_torch[by_torch_at] = _reads_by_torch.get(by_torch_at, 0) + 1
     progress.note_read()  # a burst of compiles ends at a read too
 
 
@@ -82,13 +93,14 @@ def note_compile(kind: str, where: str, key, describe_change) -> None:
     if where == "<unknown>":  # e.g. the backward pass, on autograd's thread
         return
     entry = _compiles.get((kind, where))
+    own_reads = _reads_by_torch.get(where, 0)
     if entry is None:
-        _compiles[(kind, where)] = [1, 1, epoch, key, 0]
+        _compiles[(kind, where)] = [1, 1, epoch, key, 0, own_reads]
         return
     entry[0] += 1
-    if entry[2] != epoch:
+    if epoch - entry[2] > own_reads - entry[5]:  # an epoch ended not by torch's reads here
         entry[1] += 1
-        entry[2] = epoch
+    entry[2], entry[5] = epoch, own_reads
     if entry[1] > 1:
         entry[4] += 1
     limit = config.recompile_warn_after
@@ -201,6 +213,7 @@ def first_difference(old, new, path: tuple = ()) -> tuple[tuple, object, object]
 def reset() -> None:
     """Forget what was counted (each cause may warn again)."""
     _compiles.clear()
+    _reads_by_torch.clear()
     _warned_lines.clear()
     _flushes.clear()
     _chunk_compiles[:] = [0.0, 0, None, False, (0, 0)]

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from torchtpu import dtypes, tracing
-from torchtpu.observe import metrics, perf_warnings
+from torchtpu.observe import locations, metrics, perf_warnings
 from torchtpu.runtime import device, jax, platform, policy
 
 
@@ -40,7 +40,7 @@ def note_read(array) -> None:
     """Account for reading ``array``'s values on the host (refused inside a trace)."""
     if tracing._active is not None and isinstance(array, jax().core.Tracer):
         tracing.refuse("reading a tensor's values (.item(), .cpu(), print, bool(), ...)")
-    perf_warnings.note_read()
+    perf_warnings.note_read(by_torch_at=locations.read_by_torch())
     metrics.count("transfer_bytes", "to_host", array.size * array.dtype.itemsize)
 
 
