@@ -199,6 +199,8 @@ def test_a_training_loops_first_steps_compiling_do_not_warn(monkeypatch):
 
     def loop():
         with torch.tpu.set_eager_mode("defer"):
+            for p in model.parameters():  # torch's own reads (its rejection loop): no step
+                torch.nn.init.trunc_normal_(p, std=0.1)
             for _ in range(6):
                 opt.zero_grad()
                 loss = torch.nn.functional.mse_loss(model(x), y)
@@ -212,21 +214,26 @@ def test_a_training_loops_first_steps_compiling_do_not_warn(monkeypatch):
     assert torchtpu.metrics()["compiles"]["chunk"] >= 3
 
 
-def test_a_large_first_step_compiling_for_a_minute_does_not_warn(monkeypatch):
+@pytest.mark.parametrize("first_step_chunks", [3, 30])
+def test_a_large_first_step_compiling_for_a_minute_does_not_warn(monkeypatch, first_step_chunks):
     # GPT-2 small's first DeferAndFuse steps on a TPU v5e, as the warning sees them:
     # three chunks of ~15 s in the first step, the optimizer's chunk again in the
     # second, then nothing. (Counted from the first step, this warned in it.)
+    # TorchTitan's first step compiled 30 chunks before its optimizer stepped: more
+    # than WARM_UP_CHUNKS, each different ops (it warned then).
     clock = [0.0]
     monkeypatch.setattr(perf_warnings.time, "perf_counter", lambda: clock[0])
     optimizer = torch.optim.SGD([torch.zeros(1)])
 
+    chunks = iter(range(100))  # each chunk different ops, as a large step's are
+
     def compile_for(seconds):
         clock[0] += seconds
-        perf_warnings.note_chunk_compile(seconds, 512, "gpt.py:77")
+        perf_warnings.note_chunk_compile(seconds, (next(chunks),) * 512, "gpt.py:77")
 
     def steps():
         for step in range(6):
-            for _ in range({0: 3, 1: 1}.get(step, 0)):
+            for _ in range({0: first_step_chunks, 1: 1}.get(step, 0)):
                 compile_for(15.0)
             clock[0] += 0.2  # the step runs
             perf_warnings._end_of_step(optimizer, (), {})

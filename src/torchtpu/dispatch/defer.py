@@ -582,7 +582,8 @@ def _run(q: _Queue, reason: str, needed=()) -> dict:
             chunk.compiled = True
             seconds = time.perf_counter() - start
             metrics.count("compile_seconds", "chunk", seconds)
-            perf_warnings.note_chunk_compile(seconds, len(q.plans), where)
+            ops = tuple(plan.op for plan in q.plans)
+            perf_warnings.note_chunk_compile(seconds, ops, where)
     except Exception as exc:
         record_event(failed=True)
         error = _annotate(exc, q)

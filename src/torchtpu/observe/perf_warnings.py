@@ -71,7 +71,8 @@ def note_read(value_read: bool = True, by_torch_at: str | None = None) -> None:
     ``by_torch_at``, where it was), or DeferAndFuse ran a chunk for another reason."""
     global epoch, reads
     epoch += 1
-    reads += value_read
+    # Reads that end a loop's steps (Note [Compiling while warming up]): not torch's own.
+    reads += value_read and by_torch_at is None
     if by_torch_at is not None:
         _reads_by_torch[by_torch_at] = _reads_by_torch.get(by_torch_at, 0) + 1
     progress.note_read()  # a burst of compiles ends at a read too
@@ -142,8 +143,10 @@ class TPUCompileTimeWarning(TPUPerformanceWarning):
 
 
 # Chunk compiles: [seconds in all, count, time of the first, warned, (optimizer steps,
-# reads) at the first]
-_chunk_compiles = [0.0, 0, None, False, (0, 0)]
+# reads) at the first, compiles of ops an earlier chunk compiled had]
+_chunk_compiles = [0.0, 0, None, False, (0, 0), 0]
+# The ops of each chunk compiled (Note [Compiling while warming up]).
+_chunk_ops: set = set()
 # Chunk compiles with no step ending that may still be a loop's first steps.
 WARM_UP_CHUNKS = 8
 
@@ -157,16 +160,21 @@ def _warmed_up(entry) -> bool:
     but says nothing of the loop. So TPUCompileTimeWarning waits until two steps have
     ended since the first chunk compiled, and compiles go on. Steps end at
     ``optimizer.step()``; where no optimizer has stepped since then, at each read of a
-    value (a training loop that reads its loss as well ends one step per iteration).
-    A loop that neither steps nor reads has no steps to tell: after ``WARM_UP_CHUNKS``
-    chunk compiles, its compiles are the pattern."""
+    value that code outside torch asked for (a training loop that reads its loss as well
+    ends one step per iteration; ``nn.init.trunc_normal_``'s reads while a model is
+    initialised do not).
+    A loop that neither steps nor reads has no steps to tell: once ``WARM_UP_CHUNKS``
+    chunks compiled the ops of an earlier chunk again (the same code at new shapes),
+    its compiles are the pattern. A first step's chunks hold different ops each: a
+    large model's step is cut by the full queue, and TorchTitan's first step compiled
+    30 chunks before its optimizer stepped."""
     steps_then, reads_then = entry[4]
     steps = optimizer_steps - steps_then or reads - reads_then
-    return steps >= 2 or (steps == 0 and entry[1] > WARM_UP_CHUNKS)
+    return steps >= 2 or (steps == 0 and entry[5] >= WARM_UP_CHUNKS)
 
 
-def note_chunk_compile(seconds: float, ops: int, where: str) -> None:
-    """Called after each DeferAndFuse chunk compiled (``ops`` ops, flushed at
+def note_chunk_compile(seconds: float, ops: tuple, where: str) -> None:
+    """Called after each DeferAndFuse chunk compiled (its ``ops``, flushed at
     ``where``). Warns once when compiling has taken more than half of the time since
     the first chunk compiled, and ``config.compile_warn_seconds`` in all, over at
     least three compiles (one long compile of a big step is not a pattern), after
@@ -178,6 +186,10 @@ def note_chunk_compile(seconds: float, ops: int, where: str) -> None:
         entry[4] = (optimizer_steps, reads)
     entry[0] += seconds
     entry[1] += 1
+    if ops in _chunk_ops:
+        entry[5] += 1
+    else:
+        _chunk_ops.add(ops)
     if (
         entry[3]
         or entry[1] < 3
@@ -189,7 +201,7 @@ def note_chunk_compile(seconds: float, ops: int, where: str) -> None:
     entry[3] = True
     warnings.warn(
         f"torchtpu: DeferAndFuse has spent {entry[0]:.1f} s of the last {now - entry[2]:.1f} s "
-        f"compiling {entry[1]} chunks (the last: {ops} ops, flushed at {where}). Large "
+        f"compiling {entry[1]} chunks (the last: {len(ops)} ops, flushed at {where}). Large "
         "chunks compile slowly: call optimizer.step() or read a value once per step so "
         "that each step becomes one cached chunk, or lower torchtpu.config.defer_max_ops.",
         TPUCompileTimeWarning,
@@ -216,4 +228,5 @@ def reset() -> None:
     _reads_by_torch.clear()
     _warned_lines.clear()
     _flushes.clear()
-    _chunk_compiles[:] = [0.0, 0, None, False, (0, 0)]
+    _chunk_compiles[:] = [0.0, 0, None, False, (0, 0), 0]
+    _chunk_ops.clear()
