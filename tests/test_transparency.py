@@ -104,16 +104,19 @@ def test_a_first_step_compiling_many_shapes_once_each_does_not_warn():
     assert [w for w in _caught(steps) if w.category is torchtpu.TPURecompileWarning] == []
 
 
-def test_initialising_parameters_of_many_shapes_from_one_line_does_not_warn():
+@pytest.mark.parametrize("eager_mode", ["strict", "defer"])
+def test_initialising_parameters_of_many_shapes_from_one_line_does_not_warn(eager_mode):
     """TorchTitan initialises each parameter from one line with nn.init.trunc_normal_,
     whose rejection loop reads ``mask.any()``: torch's own reads, which end no epoch for
     that line (Note [What counts as recompiling]); each shape compiles once. It warned
-    "keeps compiling aten.normal_.default" after 8 shapes."""
+    "keeps compiling aten.normal_.default" after 8 shapes (in DeferAndFuse "a
+    DeferAndFuse chunk": the flush before the read counted as an epoch of its own)."""
     params = [torch.empty(n, 3, device="tpu") for n in range(1, 13)]
 
     def init():
-        for p in params:
-            torch.nn.init.trunc_normal_(p, std=0.02)  # one line, a new shape each time
+        with torch.tpu.set_eager_mode(eager_mode):
+            for p in params:
+                torch.nn.init.trunc_normal_(p, std=0.02)  # one line, a new shape each time
 
     assert [w for w in _caught(init) if w.category is torchtpu.TPURecompileWarning] == []
     assert all(p.abs().max().item() <= 2.0 for p in params)  # trunc_normal_'s bounds

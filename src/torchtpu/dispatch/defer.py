@@ -520,7 +520,8 @@ def _run(q: _Queue, reason: str, needed=()) -> dict:
         _threads.ops_run += len(q.plans)
         if reason == "queue full":
             _threads.full_runs += 1
-    perf_warnings.note_read(value_read=False)  # a read counts itself (transfer.py)
+    if reason != "value read":  # a read counts itself (transfer.py), once
+        perf_warnings.note_read(value_read=False)
     # The user's line costs a stack walk: taken where a warning, explain() or a
     # compile can use it.
     where = user_frame() if reason == "value read" or metrics._recorders else None
