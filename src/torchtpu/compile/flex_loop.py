@@ -20,8 +20,8 @@ score_mod and mask_mod are torch code: each iteration runs them on tpu tensors h
 the iteration's values (vmapped as flex_blocks.py vmaps them), so they are traced into
 the loop's body. The value checks their ops state there (an index out of range) are
 or-ed over the iterations and become the program's checks, as any traced op's are
-(`_TorchStep`). A score_mod that draws random numbers is refused: one draw per
-iteration would not be the draw of the op.
+(`_TorchStep`). A score_mod that draws random numbers is refused by torch's vmap
+before it could be (one draw per iteration would not be the op's draw).
 """
 
 from __future__ import annotations
@@ -117,18 +117,13 @@ class _TorchStep:
         self.infos: list = []
 
     def __call__(self, *arrays):
+        # No random draws to account for: torch's vmap, which applies score_mod and
+        # mask_mod, refuses random ops ("randomness error mode").
         trace = tracing.active()
-        checks, draws = len(trace.checks), trace.draws
+        checks = len(trace.checks)
         out = self.fn(*arrays)
         stated = trace.checks[checks:]
         del trace.checks[checks:]
-        if trace.draws != draws:
-            trace.draws = draws
-            raise RuntimeError(
-                "flex_attention: a score_mod or mask_mod that draws random numbers cannot be "
-                "scored block by block in a compiled program; set torchtpu.config.flex_blocks "
-                "= 'off' to score every key at once"
-            )
         self.infos = [info for _, *info in stated]
         return out, tuple(flag for flag, *_ in stated)
 
