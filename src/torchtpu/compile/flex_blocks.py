@@ -74,13 +74,13 @@ def blocks_to_visit(block_mask: tuple, kv_length: int, dtype: torch.dtype):
 
 
 def _why_dense(block_mask: tuple, kv_length: int, dtype: torch.dtype):
-    reason = _why_dense_anyway(block_mask[-2], kv_length)
+    kv_block = block_mask[-2]
+    reason = _why_dense_anyway(kv_block, kv_length)
     if reason is not None:
         return reason, None
     if tracing.active() is not None:
-        reason = _why_not_looped(block_mask[-2], kv_length, dtype)
+        reason = _why_not_looped(kv_block, kv_length, dtype)
         return reason, LOOP if reason is None else None
-    kv_block = block_mask[-2]
     most = _most(block_mask[2], block_mask[4])
     if config.flex_blocks != "on" and 2 * sum(most) * kv_block > kv_length:
         return "the listed blocks hold more than half of the scores", None

@@ -76,6 +76,23 @@ class _Slots:
         valid = listed[..., None] & (positions < self.kv_length)
         return jnp.minimum(positions, self.kv_length - 1), valid
 
+    def indices(self):
+        """(b [B], h [H], q_idx [QB, Q_BLOCK]) as the int64 tpu tensors score_mod and
+        mask_mod take; a padded query's index is the last real one (it is masked)."""
+        jnp = jax().numpy
+        rows = jnp.arange(self.q_blocks * self.q_block).reshape(self.q_blocks, self.q_block)
+        q = jnp.minimum(rows, self.length - 1)
+        return tuple(
+            tensor_of(x.reshape(-1).astype(jnp.int64), torch.int64) for x in (self.b, self.h)
+        ) + (tensor_of(q.astype(jnp.int64), torch.int64),)
+
+    def slot_specs(self, batch: int, heads: int) -> tuple:
+        """The shapes of one slot's (scores, key positions, valid) arrays."""
+        jnp, spec = jax().numpy, jax().ShapeDtypeStruct
+        keys = (batch, heads, self.q_blocks, self.kv_block)
+        scores = (batch, heads, self.q_blocks, self.q_block, self.kv_block)
+        return spec(scores, jnp.float32), spec(keys, jnp.int32), spec(keys, jnp.bool_)
+
     def rows(self, x):
         """[B, H, L, D] -> [B, H, QB, Q_BLOCK, D], padded with zeros past L."""
         jnp = jax().numpy
@@ -142,14 +159,10 @@ def _mods(score_mod, block_mask, slots: _Slots, score_buffers, mask_buffers, vma
     jnp = jax().numpy
     score_mod = vmapped(score_mod, True, buffers=len(score_buffers))
     mask_mod = vmapped(block_mask[-1], False, buffers=len(mask_buffers))
-    index = torch.int64
-    b = tensor_of(slots.b.reshape(-1).astype(jnp.int64), index)
-    h = tensor_of(slots.h.reshape(-1).astype(jnp.int64), index)
-    rows = jnp.arange(slots.q_blocks * slots.q_block).reshape(slots.q_blocks, slots.q_block)
-    q = tensor_of(jnp.minimum(rows, slots.length - 1).astype(jnp.int64), index)
+    b, h, q = slots.indices()
 
     def mods(scores, positions, valid):
-        kv = tensor_of(positions.astype(jnp.int64), index)
+        kv = tensor_of(positions.astype(jnp.int64), torch.int64)
         with TransformGetItemToIndex():
             keep = mask_mod(b, h, q, kv, *mask_buffers)
             modded = score_mod(tensor_of(scores, torch.float32), b, h, q, kv, *score_buffers)
@@ -178,13 +191,8 @@ def forward(query, key, value, score_mod, block_mask, scale, score_buffers, mask
     rows = slots.rows(q)
     step = _TorchStep(_mods(score_mod, block_mask, slots, score_buffers, mask_buffers, vmapped))
     batch, heads = q.shape[:2]
-    kv_block = slots.kv_block
     blocks = (batch, heads, slots.q_blocks, slots.q_block)
-    scores_shape = jax().ShapeDtypeStruct(blocks + (kv_block,), jnp.float32)
-    positions = jax().ShapeDtypeStruct(blocks[:3] + (kv_block,), jnp.int32)
-    valid = jax().ShapeDtypeStruct(blocks[:3] + (kv_block,), jnp.bool_)
-    _, flag_shapes = step.shapes(scores_shape, positions, valid)
-
+    _, flag_shapes = step.shapes(*slots.slot_specs(batch, heads))
     dtype = q.dtype
 
     def body(carry):
@@ -243,12 +251,10 @@ def backward(
         joint_graph, True, extra=1, buffers=len(score_buffers),
         out_dims=[0, None, None, None, None] + [None] * len(score_buffers),
     )  # fmt: skip
-    b, h = (tensor_of(x.reshape(-1).astype(jnp.int64), torch.int64) for x in (slots.b, slots.h))
-    q_rows = jnp.arange(slots.q_blocks * slots.q_block).reshape(slots.q_blocks, slots.q_block)
-    q_index = tensor_of(jnp.minimum(q_rows, slots.length - 1).astype(jnp.int64), torch.int64)
+    b, h, q_index = slots.indices()
 
     def slot_gradients(scores, positions, valid):
-        """(the kept mask, the weights, score_mod's gradient of each score, and of its
+        """(the weights, the gradient of each score, the gradients of score_mod's
         captured tensors) of one slot."""
         modded, keep = mods(scores, positions, valid)
         weights = jnp.where((lse == -jnp.inf)[..., None], 0.0, jnp.exp(modded - lse[..., None]))
@@ -271,12 +277,7 @@ def backward(
     step = _TorchStep(slot_gradients)
     batch, heads = q.shape[:2]
     blocks = (batch, heads, slots.q_blocks, slots.q_block)
-    kv_block = slots.kv_block
-    (_, _, captured_shapes), flag_shapes = step.shapes(
-        jax().ShapeDtypeStruct(blocks + (kv_block,), f32),
-        jax().ShapeDtypeStruct(blocks[:3] + (kv_block,), jnp.int32),
-        jax().ShapeDtypeStruct(blocks[:3] + (kv_block,), jnp.bool_),
-    )
+    (_, _, captured_shapes), flag_shapes = step.shapes(*slots.slot_specs(batch, heads))
 
     def body(carry):
         j, grad_q, grad_k, grad_v, grad_captured, flags = carry

@@ -145,8 +145,9 @@ class TPUCompileTimeWarning(TPUPerformanceWarning):
 # Chunk compiles: [seconds in all, count, time of the first, warned, (optimizer steps,
 # reads) at the first, compiles of ops an earlier chunk compiled had]
 _chunk_compiles = [0.0, 0, None, False, (0, 0), 0]
-# The ops of each chunk compiled (Note [Compiling while warming up]).
-_chunk_ops: set = set()
+# A hash of the ops of each chunk compiled (Note [Compiling while warming up]): the
+# tuples themselves (up to defer_max_ops ops each) would be kept for the process's life.
+_chunk_ops: set[int] = set()
 # Chunk compiles with no step ending that may still be a loop's first steps.
 WARM_UP_CHUNKS = 8
 
@@ -186,10 +187,10 @@ def note_chunk_compile(seconds: float, ops: tuple, where: str) -> None:
         entry[4] = (optimizer_steps, reads)
     entry[0] += seconds
     entry[1] += 1
-    if ops in _chunk_ops:
+    if hash(ops) in _chunk_ops:
         entry[5] += 1
     else:
-        _chunk_ops.add(ops)
+        _chunk_ops.add(hash(ops))
     if (
         entry[3]
         or entry[1] < 3
