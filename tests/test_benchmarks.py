@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -71,3 +73,22 @@ def test_first_steps_benchmark_fills_its_rows():
     # cold and warm first steps, the programs the cold one compiled
     assert strict[3].strip().endswith(" s") and strict[4].strip().endswith(" s"), run.stdout
     assert int(strict[6]) > 0, run.stdout
+
+
+def test_shape_buckets_benchmark_compiles_one_graph_per_bucket():
+    pytest.importorskip("transformers")
+    run = subprocess.run(
+        [sys.executable, "benchmarks/shape_buckets.py", "--tiny", "--paths", "cpu,pow2,off",
+         "--lengths", "9,5,12,17"],
+        cwd=ROOT, capture_output=True, text=True, timeout=900,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
+    rows = {line.split("|")[1].strip(): line.split("|") for line in run.stdout.splitlines()
+            if line.startswith("| torch")}  # fmt: skip
+    assert set(rows) == {"torch CPU", "torch.compile, buckets", "torch.compile, one per length"}
+    # 5 in a bucket of 8, 9 and 12 in 16, 17 in 32; without buckets one graph per length
+    assert rows["torch.compile, buckets"][3].strip() == "3", run.stdout
+    assert rows["torch.compile, one per length"][3].strip() == "4", run.stdout
+    for row in rows.values():
+        assert float(row[7]) < 1e-4, run.stdout

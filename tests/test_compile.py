@@ -423,7 +423,9 @@ def test_graph_input_viewing_a_pending_value_in_defer_mode():
             torch.testing.assert_close(result.cpu(), (expected[:5] * expected[1:]).sum(0))
 
 
-def test_new_input_shape_compiles_once_then_is_cached():
+@pytest.mark.parametrize("buckets", ["pow2", "off"])
+def test_new_input_shape_compiles_once_then_is_cached(buckets, monkeypatch):
+    monkeypatch.setattr(torchtpu.config, "shape_buckets", buckets)
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)).to("tpu")
     compiled = torch.compile(model, backend="tpu")
 
@@ -435,20 +437,25 @@ def test_new_input_shape_compiles_once_then_is_cached():
         return torchtpu.metrics()["compiles"]["graph"]
 
     # Batch 3 compiles a static graph; at batch 5 Dynamo retraces with symbolic sizes
-    # (its automatic dynamic shapes), and that graph compiles once per concrete shape:
-    # 5, 7, then 3 again.
-    assert run([3, 5, 7, 3]) == 4
-    assert run([5, 7, 3, 5, 3, 7]) == 4  # every shape is cached from then on
+    # (its automatic dynamic shapes), and that graph compiles once per bucket of sizes
+    # (Note [Shape buckets]: 5 and 7 are padded to 8, 3 to 4) or, with buckets off, once
+    # per concrete shape: 5, 7, then 3 again.
+    compiles = 3 if buckets == "pow2" else 4  # pow2: 3, then 5 and 7 in 8, 3 in 4
+    assert run([3, 5, 7, 3]) == compiles
+    assert run([5, 7, 3, 5, 3, 7]) == compiles  # every shape is cached from then on
 
 
-def test_dynamic_true_compiles_one_program_per_shape():
+@pytest.mark.parametrize("buckets", ["pow2", "off"])
+def test_dynamic_true_compiles_one_program_per_bucket_or_shape(buckets, monkeypatch):
+    monkeypatch.setattr(torchtpu.config, "shape_buckets", buckets)
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh()).to("tpu")
     compiled = torch.compile(model, backend="tpu", dynamic=True)
     with torch.no_grad():
-        for batch in (2, 6, 2):
+        for batch in (5, 6, 5, 7, 20):
             x = torch.randn(batch, 8).to("tpu")
             torch.testing.assert_close(compiled(x).cpu(), model(x).cpu())
-    assert torchtpu.metrics()["compiles"]["graph"] == 2
+    # pow2: 5, 6 and 7 in a bucket of 8, 20 in 32
+    assert torchtpu.metrics()["compiles"]["graph"] == (2 if buckets == "pow2" else 4)
 
 
 def test_dynamic_true_trains_over_changing_batch_sizes(mode):

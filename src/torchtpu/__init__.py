@@ -52,6 +52,7 @@ __all__ = [
     "from_jax",
     "jax_op",
     "jit",
+    "mark_dynamic",
     "metrics",
     "metrics_report",
     "precision",
@@ -86,6 +87,19 @@ def jit(fn=None, *, static_argnums=()):
     from torchtpu.compile.jit import jit as _jit
 
     return _jit(fn, static_argnums=static_argnums)
+
+
+def mark_dynamic(tensor: torch.Tensor, dim, *, min: int | None = None, max: int | None = None):
+    """Mark ``tensor``'s ``dim`` (an int or a list of them) as a size that changes from
+    call to call, for ``torch.compile(backend="tpu")``: its inference graphs then compile
+    one program per bucket of sizes, a power of two up to ``max`` (Note [Shape buckets],
+    compile/buckets.py). It is ``torch._dynamo.mark_dynamic``; ``max`` also caps the
+    buckets, so the largest program is no larger than needed."""
+    import torch._dynamo
+
+    if max is not None and min is None:
+        min = 2  # Dynamo's own least dynamic size; torch 2.13 and 2.14 fail a max alone
+    torch._dynamo.mark_dynamic(tensor, dim, min=min, max=max)
 
 
 # JAX interop (torchtpu/interop/, docs/jax-interop.md). Imported on first use: the

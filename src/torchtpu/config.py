@@ -165,6 +165,14 @@ flash_attention: str = os.environ.get("TORCHTPU_FLASH_ATTENTION", "auto").strip(
 #: read (eager modes), "off" never (torch's dense implementation: every score).
 flex_blocks: str = os.environ.get("TORCHTPU_FLEX_BLOCKS", "auto").strip().lower()
 
+#: A torch.compile inference graph with dynamic sizes (``dynamic=True``, ``mark_dynamic``)
+#: runs padded to buckets of its sizes (compile/buckets.py, Note [Shape buckets]): "pow2"
+#: pads each dynamic size to the next power of two, at least ``shape_bucket_min`` (and
+#: at most the size's upper bound), so that one program serves every size in a bucket
+#: and padding at most doubles a dim; "off" compiles one program per size.
+shape_buckets: str = os.environ.get("TORCHTPU_SHAPE_BUCKETS", "pow2").strip().lower()
+shape_bucket_min: int = int(os.environ.get("TORCHTPU_SHAPE_BUCKET_MIN", "1"))
+
 #: Which platform policy decides what the device's compiler is given (runtime/policy.py):
 #: "auto" (the device's own: on a TPU, float64 and complex128 are kept and computed on
 #: the host), "tpu" (the TPU's, on any backend: for tests on the CPU), "none".

@@ -536,7 +536,11 @@ def _scaled_dot_product_attention(
         described = tuple(
             None if t is None else (tuple(t.shape), t.dtype) for t in (query, key, value, attn_mask)
         )
-        _check_attention_arguments(described, dropout_p, is_causal, scale, enable_gqa)
+        # Symbolic sizes (torch.compile's dynamic shapes) are not hashable: checked
+        # each time, without the cache.
+        static = all(type(n) is int for d in described if d is not None for n in d[0])
+        check = _check_attention_arguments if static else _check_attention_arguments.__wrapped__
+        check(described, dropout_p, is_causal, scale, enable_gqa)
     if not _fits_attention_op(query, key, value, attn_mask, dropout_p, enable_gqa):
         return torch.ops.aten._scaled_dot_product_attention_math(
             query,

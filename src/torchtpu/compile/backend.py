@@ -13,7 +13,8 @@ Shapes: each distinct input shape gets its own XLA program (counted in
 ``torchtpu.metrics()["compiles"]["graph"]``). Dynamo's own recompiles work as usual;
 with ``dynamic=True`` (or Dynamo's automatic dynamic shapes) the graph's size inputs
 are concrete ints at run time and pick the program, so a new shape compiles once and
-is then cached.
+is then cached -- or, for an inference graph, a new bucket of shapes (buckets.py, Note
+[Shape buckets]).
 
 The backend is registered under the name "tpu" through the ``torch_dynamo_backends``
 entry point (Dynamo finds it by name without importing torchtpu first) and when this
@@ -34,7 +35,7 @@ from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.backends.registry import register_backend
 
 from torchtpu import _compat, config, dtypes, tracing
-from torchtpu.compile import flex_attention, handles
+from torchtpu.compile import buckets, flex_attention, handles
 from torchtpu.compile.program import Program, flatten_values, unflatten_values
 from torchtpu.compile.segments import Segmented, reads_values
 from torchtpu.dispatch import backward_errors, defer, effort, modes, nested
@@ -83,9 +84,13 @@ def _graph_program(gm: torch.fx.GraphModule, donate: tuple = ()) -> Program:
         # outputs besides tensors: None, or an int (a size the backward needs)
         return flatten_values(gm(*unflatten_values(static, arrays)))
 
+    return Program(trace_graph, "graph", donate, options=_compiler_options(gm))
+
+
+def _compiler_options(gm: torch.fx.GraphModule):
     # Note [The least effort for programs without products] (dispatch/effort.py)
     ops = (node.target for node in gm.graph.nodes if node.op == "call_function")
-    return Program(trace_graph, "graph", donate, options=effort.compiler_options(ops))
+    return effort.compiler_options(ops)
 
 
 def _written_back(gm: torch.fx.GraphModule, example_inputs) -> frozenset:
@@ -140,7 +145,9 @@ def _dead_written_back(written: list, arrays: list) -> tuple:
     return tuple(dead)
 
 
-def _compile_graph(gm: torch.fx.GraphModule, example_inputs, forward: bool = False):
+def _compile_graph(
+    gm: torch.fx.GraphModule, example_inputs, forward: bool = False, inference: bool = False
+):
     """AOTAutograd's forward/backward compiler: a boxed function of handles."""
     # Note [Values read inside a compiled graph]
     program = Segmented(gm, _graph_program) if reads_values(gm) else _graph_program(gm)
@@ -148,6 +155,12 @@ def _compile_graph(gm: torch.fx.GraphModule, example_inputs, forward: bool = Fal
     written = (
         _written_back(gm, example_inputs) if forward and type(program) is Program else ()
     )
+    # Note [Shape buckets] (buckets.py)
+    padded = None
+    if inference and type(program) is Program and not written:
+        plan = buckets.plan(_views_as_reshapes(gm), example_inputs)
+        if plan is not None:
+            padded = buckets.Bucketed(plan, options=_compiler_options(gm))
     if not forward and type(program) is Program and _ops(gm) >= AHEAD_MIN_OPS:
         # Note [Compiling the backward while the forward compiles] (program.py)
         abstract = _abstract_inputs(example_inputs)
@@ -158,6 +171,7 @@ def _compile_graph(gm: torch.fx.GraphModule, example_inputs, forward: bool = Fal
     def run(args: list):
         static, arrays = [], []
         written_arrays = [] if written else None  # positions in `arrays` of written inputs
+        shapes = [getattr(a, "shape", None) for a in args] if padded is not None else None
         for n, a in enumerate(args):
             if handles.is_handle(a):
                 static.append(a.dtype)
@@ -184,11 +198,17 @@ def _compile_graph(gm: torch.fx.GraphModule, example_inputs, forward: bool = Fal
             # Note [Compiled graphs in DeferAndFuse chunks] (program.py)
             queued = (
                 program.record(static, arrays)
-                if type(program) is Program and modes.is_deferring() and tracing._active is None
+                if type(program) is Program
+                and padded is None
+                and modes.is_deferring()
+                and tracing._active is None
                 else None
             )
             if queued is not None:
                 outputs, layout = queued
+            elif padded is not None:
+                arrays = [defer.resolve(a, "compiled call") for a in arrays]
+                outputs, layout = padded(static, arrays, shapes)
             else:
                 deferring = modes.is_deferring() or tracing._active is not None
                 arrays = [defer.resolve(a, "compiled call") for a in arrays]
@@ -259,8 +279,9 @@ def _output_values(gm: torch.fx.GraphModule) -> list:
 
 
 _aot_backend = aot_autograd(
-    fw_compiler=functools.partial(_compile_graph, forward=True),  # and inference graphs
+    fw_compiler=functools.partial(_compile_graph, forward=True),
     bw_compiler=_compile_graph,
+    inference_compiler=functools.partial(_compile_graph, forward=True, inference=True),
     decompositions=_decompositions(),
 )
 
