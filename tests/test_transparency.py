@@ -328,3 +328,51 @@ def test_persistent_compile_cache_warm_starts_a_second_process(tmp_path):
     env["TORCHTPU_COMPILE_CACHE_DIR"] = "0"
     off = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
     assert off.returncode == 0 and off.stdout == runs[0].stdout
+
+
+def _a_line_compiling_per_shape(widths):
+    xs = [torch.ones(2, n).to("tpu") for n in widths]
+    for x in xs:
+        x.cumsum(1).cpu()  # the line: one program per shape
+
+
+def test_a_line_over_the_compile_budget_warns_once_naming_what_changed(monkeypatch, mode):
+    monkeypatch.setattr(config, "compile_budget_programs", 3)
+    monkeypatch.setattr(config, "recompile_warn_after", 100)  # the budget speaks first
+    first = {"strict": 31, "debug": 131, "defer": 231}[mode]  # shapes no other test compiles
+    caught = _caught(lambda: _a_line_compiling_per_shape(range(first, first + 6)))
+    caught = [w for w in caught if w.category is not torchtpu.TPUFlushWarning]  # defer's
+    assert [w.category for w in caught] == [torchtpu.TPUCompileBudgetWarning], caught
+    message = str(caught[0].message)
+    assert caught[0].filename == __file__
+    assert "compiled 4 XLA programs" in message and "budget of 3 programs" in message
+    if mode == "defer":  # each read runs a queue of one op: its op's program, not a chunk
+        assert "the last was aten.cumsum.default" in message, message
+    else:
+        change = f"argument `self`: float32[2, {first + 2}] -> float32[2, {first + 3}]"
+        assert change in message, message
+    line = next(k for k in torchtpu.metrics()["compiles_by_line"] if "_a_line_compiling" in k)
+    assert torchtpu.metrics()["compiles_by_line"][line] >= 6
+    assert torchtpu.metrics()["compile_seconds_by_line"][line] > 0
+
+
+def test_a_compile_budget_of_seconds_and_its_error_mode(monkeypatch):
+    monkeypatch.setattr(config, "compile_budget_seconds", 1e-9)
+    monkeypatch.setattr(config, "compile_budget_action", "error")
+    with pytest.raises(torchtpu.TPUCompileBudgetError, match=r"budget of 1e-09 s"):
+        _a_line_compiling_per_shape([41])
+
+
+def test_no_compile_budget_by_default():
+    assert config.compile_budget_programs == 0 and config.compile_budget_seconds == 0
+    caught = _caught(lambda: _a_line_compiling_per_shape(range(51, 54)))
+    assert caught == []
+    assert "compiles_by_line" in torchtpu.metrics()  # counted all the same
+
+
+def test_a_compiled_graph_counts_against_its_line(monkeypatch):
+    monkeypatch.setattr(config, "compile_budget_programs", 1)
+    compiled = torch.compile(lambda x: x * 2, backend="tpu", dynamic=False)
+    caught = _caught(lambda: [compiled(torch.ones(n).to("tpu")) for n in (61, 62)])
+    assert [w.category for w in caught] == [torchtpu.TPUCompileBudgetWarning]
+    assert "a compiled graph" in str(caught[0].message)

@@ -26,6 +26,8 @@ from torchtpu.matmul_precision import Precision, precision
 from torchtpu.observe.explain import Explanation, explain_call
 from torchtpu.observe.metrics import metrics, metrics_report, reset_metrics
 from torchtpu.observe.perf_warnings import (
+    TPUCompileBudgetError,
+    TPUCompileBudgetWarning,
     TPUCompileTimeWarning,
     TPUFlushWarning,
     TPUPerformanceWarning,
@@ -39,6 +41,8 @@ __all__ = [
     "EagerMode",
     "Explanation",
     "Precision",
+    "TPUCompileBudgetError",
+    "TPUCompileBudgetWarning",
     "TPUCompileTimeWarning",
     "TPUFallbackWarning",
     "TPUHostComputeWarning",

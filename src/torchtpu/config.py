@@ -165,6 +165,14 @@ flash_attention: str = os.environ.get("TORCHTPU_FLASH_ATTENTION", "auto").strip(
 #: read (eager modes), "off" never (torch's dense implementation: every score).
 flex_blocks: str = os.environ.get("TORCHTPU_FLEX_BLOCKS", "auto").strip().lower()
 
+#: A compile budget per user line (Note [A compile budget], observe/perf_warnings.py): a
+#: line that compiles more XLA programs than ``compile_budget_programs``, or for longer
+#: than ``compile_budget_seconds``, warns once (TPUCompileBudgetWarning), or raises
+#: TPUCompileBudgetError where ``compile_budget_action`` is "error" (for CI). 0: no budget.
+compile_budget_programs: int = int(os.environ.get("TORCHTPU_COMPILE_BUDGET_PROGRAMS", "0"))
+compile_budget_seconds: float = float(os.environ.get("TORCHTPU_COMPILE_BUDGET_SECONDS", "0"))
+compile_budget_action: str = os.environ.get("TORCHTPU_COMPILE_BUDGET_ACTION", "warn").strip().lower()
+
 #: A torch.compile inference graph with dynamic sizes (``dynamic=True``, ``mark_dynamic``)
 #: runs padded to buckets of its sizes (compile/buckets.py, Note [Shape buckets]): "pow2"
 #: pads each dynamic size to the next power of two, at least ``shape_bucket_min`` (and

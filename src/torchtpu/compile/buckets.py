@@ -916,62 +916,64 @@ class Bucketed:
         static = list(static)
         for position, size in self.plan.sizes:
             static[position] = size(buckets)
-        padded, k = [], 0
-        for dims in self.plan.inputs:
-            if dims is None:
-                continue
-            a = arrays[k]
-            k += 1
-            target = tuple(d[0] if type(d[0]) is int else d[0].padded(buckets) for d in dims)
-            padded.append(_pad(a, target) if target != tuple(a.shape) else a)
+        arrays = list(arrays)  # one per tensor input
+        targets = [
+            tuple(d[0] if type(d[0]) is int else d[0].padded(buckets) for d in dims)
+            for dims in self.plan.inputs
+            if dims is not None
+        ]
+        _resize(arrays, range(len(targets)), targets, "pad")
         # committed to the inputs' device, as every array torchtpu makes (builder.py)
-        device = next(iter(padded[0].sharding.device_set)) if padded else None
+        device = next(iter(arrays[0].sharding.device_set)) if arrays else None
         lengths = [jax().device_put(np.int32(sizes[s]), device) for s in self.plan.symbols]
         key = (tuple(static), tuple(buckets[s] for s in self.plan.symbols))
-        outputs, layout = self._program(key, padded + lengths)
-        result, k, true_layout = [], 0, []
+        outputs, layout = self._program(key, arrays + lengths)
+        outputs, true_layout, padded, targets = list(outputs), [], [], []
+        k = 0
         for spec, dims in zip(layout, self.plan.outputs):
             if callable(dims):  # a size the layout holds padded
                 spec = dims(sizes)
             true_layout.append(spec)
             if not isinstance(spec, torch.dtype):
                 continue
-            a = outputs[k]
-            k += 1
             if dims is not None and _padded(dims):
-                true = tuple(
-                    d[0] if _static(d) else d[0].a * sizes[d[0].symbol] + d[0].c for d in dims
+                padded.append(k)
+                targets.append(
+                    tuple(
+                        d[0] if _static(d) else d[0].a * sizes[d[0].symbol] + d[0].c for d in dims
+                    )
                 )
-                a = _slice_to(a, true)
-            result.append(a)
-        return result, tuple(true_layout)
+            k += 1
+        _resize(outputs, padded, targets, "slice")
+        return outputs, tuple(true_layout)
 
 
-# Single-op programs compile with the least effort, as Strict's ops do (config.py
-# ``op_compiler_options``): a new size pays for them, not for the model's program.
+def _resize(arrays: list, positions: list, targets: list, how: str) -> None:
+    """Pad (or slice) ``arrays[i]`` to ``targets`` for each i in ``positions``, in place,
+    by one program for all of them, compiled once per set of shapes."""
+    changed = [(i, t) for i, t in zip(positions, targets) if tuple(arrays[i].shape) != t]
+    if not changed:
+        return
+    key = tuple((tuple(arrays[i].shape), t, arrays[i].dtype) for i, t in changed)
+    resized = _resizer(key, how)(*(arrays[i] for i, _ in changed))
+    for (i, _), a in zip(changed, resized):
+        arrays[i] = a
+
+
+# A single-op program per new size, compiled with the least effort, as Strict's ops are
+# (config.py ``op_compiler_options``): a new size pays for it, not for the model's.
 @functools.lru_cache(maxsize=1024)
-def _padder(shape: tuple, target: tuple, dtype):
+def _resizer(key: tuple, how: str):
     metrics.count("compiles", "padding")
-    widths = [(0, t - s) for s, t in zip(shape, target)]
-    pad = jax().numpy.pad
-    return jax().jit(lambda a: pad(a, widths), compiler_options=config.op_compiler_options or None)
+    jnp = jax().numpy
 
+    def resize(*arrays):
+        if how == "pad":
+            return [jnp.pad(a, [(0, t - n) for n, t in zip(shape, target)])
+                    for a, (shape, target, _) in zip(arrays, key)]  # fmt: skip
+        return [a[tuple(slice(0, t) for t in target)] for a, (_, target, _) in zip(arrays, key)]
 
-def _pad(a, target: tuple):
-    return _padder(tuple(a.shape), target, a.dtype)(a)
-
-
-@functools.lru_cache(maxsize=1024)
-def _slicer(shape: tuple, target: tuple, dtype):
-    metrics.count("compiles", "padding")
-    part = tuple(slice(0, t) for t in target)
-    return jax().jit(lambda a: a[part], compiler_options=config.op_compiler_options or None)
-
-
-def _slice_to(a, target: tuple):
-    if tuple(a.shape) == target:
-        return a
-    return _slicer(tuple(a.shape), target, a.dtype)(a)
+    return jax().jit(resize, compiler_options=config.op_compiler_options or None)
 
 
 def plan(gm: torch.fx.GraphModule, example_inputs) -> Plan | None:

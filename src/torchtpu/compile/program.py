@@ -66,7 +66,7 @@ import torch
 from torchtpu import memory, rng, tracing
 from torchtpu.dispatch import checks, defer, modes
 from torchtpu.dispatch.values import materialize
-from torchtpu.observe import metrics, progress
+from torchtpu.observe import metrics, perf_warnings, progress
 from torchtpu.observe.locations import user_frame
 from torchtpu.runtime import jax
 from torchtpu.storage import Storage, _contiguous_strides
@@ -181,9 +181,12 @@ class Program:
             # include its first run.
             traced = self._signatures[signature] = self._last if ahead is None else ahead[0]
             self._avals[signature] = [(tuple(o.shape), o.dtype) for o in outputs]
+            where, seconds = user_frame(), time.perf_counter() - start
             metrics.count("compiles", self.kind)
-            metrics.count("compile_seconds", self.kind, time.perf_counter() - start)
-            metrics.event("compile", op=f"compiled {self.kind}", where=user_frame())
+            metrics.count("compile_seconds", self.kind, seconds)
+            metrics.event("compile", op=f"compiled {self.kind}", where=where)
+        else:
+            where = None
         metrics.count("compiled_calls", self.kind)
         rng.advance(device, traced.draws)
         if traced.check_infos:
@@ -193,6 +196,8 @@ class Program:
                 checks.defer(flags, traced.check_infos, f"in a compiled {self.kind}")
         elif modes.is_debug():
             jax().block_until_ready(outputs)
+        if where is not None:  # last: a compile budget's error leaves the state consistent
+            perf_warnings.note_compile_time(where, seconds, f"a compiled {self.kind}")
         return outputs, traced.layout
 
     def compile_ahead(self, static, specs: list, device: int = 0) -> None:

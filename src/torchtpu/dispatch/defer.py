@@ -582,7 +582,8 @@ def _run(q: _Queue, reason: str, needed=()) -> dict:
         if not chunk.compiled:
             chunk.compiled = True
             seconds = time.perf_counter() - start
-            metrics.count("compile_seconds", "chunk", seconds)
+            what = f"a DeferAndFuse chunk of {len(q.plans)} ops"
+            perf_warnings.compiled("chunk", seconds, where or user_frame(), what, already_counted=True)
             ops = tuple(plan.op for plan in q.plans)
             perf_warnings.note_chunk_compile(seconds, ops, where)
     except Exception as exc:
@@ -632,8 +633,8 @@ def _run_one(q: _Queue, reason: str, where: str | None) -> None:
             flat = plan.placed(q.device)(*args)
         if compiled:
             plan.compiled = True
-            metrics.count("compiles", "op")
-            metrics.count("compile_seconds", "op", time.perf_counter() - start)
+            seconds = time.perf_counter() - start
+            perf_warnings.compiled("op", seconds, where or user_frame(), str(plan.op))
     except Exception as exc:
         error = _annotate(_NodeError(0, exc), q)
         for pending in pendings:

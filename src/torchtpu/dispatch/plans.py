@@ -194,13 +194,13 @@ def _execute(plan: Plan, call, device: int, debug: bool):
         # Note [Strict writes reuse their buffers]
         donated = _dead_written(plan, args) if plan.written_arrays and not host_run else ()
         if not plan.compiled:
-            start = time.perf_counter()
-            with progress.compiling(str(plan.op), user_frame()):
+            start, where = time.perf_counter(), user_frame()
+            with progress.compiling(str(plan.op), where):
                 flat = _call(plan, args, device, donated)
             plan.compiled = True
             _note_fast(plan)
-            metrics.count("compiles", "op")
-            metrics.count("compile_seconds", "op", time.perf_counter() - start)
+            seconds = time.perf_counter() - start
+            perf_warnings.compiled("op", seconds, where, str(plan.op))
         elif host_run or device:
             flat = _call(plan, args, device, donated)
         elif plan.written_arrays:
@@ -291,11 +291,11 @@ def _donating(plan: Plan, donated: tuple, args: list, device: int):
             eager_program(plan.fn, device, donated) if donated else plan.placed(device)
         )
         if plan.compiled:  # not the plan's first program: counted here
-            start = time.perf_counter()
-            with progress.compiling(str(plan.op), user_frame()):
+            start, where = time.perf_counter(), user_frame()
+            with progress.compiling(str(plan.op), where):
                 flat = call(*args)
-            metrics.count("compiles", "op")
-            metrics.count("compile_seconds", "op", time.perf_counter() - start)
+            seconds = time.perf_counter() - start
+            perf_warnings.compiled("op", seconds, where, str(plan.op))
             return flat
     return call(*args)
 

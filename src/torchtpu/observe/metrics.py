@@ -62,8 +62,9 @@ def metrics() -> dict[str, dict[str, float]]:
 
     Categories: ``ops`` (ops run, by eager mode), ``op_cache`` (hit/miss of the
     per-op compiled functions), ``compiles`` (XLA compilations, by kind),
-    ``compile_seconds``, ``compile_seconds_by_line`` (the same, by the user's line
-    that caused each compile: a first op, a flush, a compiled call), ``fallback`` (ops
+    ``compile_seconds``, ``compiles_by_line`` and ``compile_seconds_by_line`` (the same,
+    by the user's line that caused each compile: a first op, a flush, a compiled call),
+    ``shape_buckets`` (torch.compile graphs run padded, and refused), ``fallback`` (ops
     run on the CPU, by op),
     ``decomposed`` (ops run through torch._decomp, by op), ``transfer_bytes``
     (``to_device``/``to_host``), ``collectives`` and ``collective_bytes``

@@ -24,13 +24,14 @@ Note [What counts as recompiling]
 
 from __future__ import annotations
 
+import collections
 import time
 import warnings
 
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from torchtpu import config
-from torchtpu.observe import progress
+from torchtpu.observe import metrics, progress
 from torchtpu.observe.locations import user_stacklevel
 
 
@@ -44,6 +45,15 @@ class TPURecompileWarning(TPUPerformanceWarning):
 
 class TPUFlushWarning(TPUPerformanceWarning):
     """DeferAndFuse flushes its queue from the same line again and again."""
+
+
+class TPUCompileBudgetWarning(TPUPerformanceWarning):
+    """One line compiled more XLA programs, or for longer, than the compile budget
+    (``config.compile_budget_programs``, ``config.compile_budget_seconds``) allows."""
+
+
+class TPUCompileBudgetError(RuntimeError):
+    """The same, with ``config.compile_budget_action = "error"`` (for CI)."""
 
 
 # Reads of values and optimizer steps so far: the clock of Note [What counts as
@@ -64,6 +74,10 @@ _reads_by_torch: dict[str, int] = {}
 _warned_lines: set[str] = set()
 # user line -> [flushes, warned]
 _flushes: dict[str, list] = {}
+# user line -> [programs compiled, seconds compiling, over budget already]
+_budgets: dict[str, list] = {}
+# user line -> what changed at its last few recompiles (Note [A compile budget])
+_changes: dict[str, collections.deque] = {}
 
 
 def note_read(value_read: bool = True, by_torch_at: str | None = None) -> None:
@@ -99,6 +113,9 @@ def note_compile(kind: str, where: str, key, describe_change) -> None:
         _compiles[(kind, where)] = [1, 1, epoch, key, 0, own_reads]
         return
     entry[0] += 1
+    if config.compile_budget_programs or config.compile_budget_seconds:
+        changes = _changes.setdefault(where, collections.deque(maxlen=3))
+        changes.append(f"{kind}: {describe_change(entry[3], key)}")
     if epoch - entry[2] > own_reads - entry[5]:  # an epoch ended not by torch's reads here
         entry[1] += 1
     entry[2], entry[5] = epoch, own_reads
@@ -117,6 +134,55 @@ def note_compile(kind: str, where: str, key, describe_change) -> None:
             stacklevel=user_stacklevel(),
         )
     entry[3] = key
+
+
+def compiled(kind: str, seconds: float, where: str, what: str, already_counted=False) -> None:
+    """An XLA program of ``kind`` ("op", "chunk", "graph", "step") compiled in ``seconds``
+    for user line ``where``: the counters (``compiles`` unless ``already_counted``) and
+    the line's budget."""
+    if not already_counted:
+        metrics.count("compiles", kind)
+    metrics.count("compile_seconds", kind, seconds)
+    note_compile_time(where, seconds, what)
+
+
+def note_compile_time(where: str, seconds: float, what: str) -> None:
+    """Note [A compile budget]
+        Called after each XLA program compiled for user line ``where`` (an op's, a
+        DeferAndFuse chunk's, a compiled graph's or step's: ``what``) with its seconds.
+        ``metrics()`` counts them by line (``compiles_by_line``; progress.py counts
+        ``compile_seconds_by_line``). A line that compiles more programs than
+        ``config.compile_budget_programs``, or for longer than
+        ``config.compile_budget_seconds`` (0: no budget, the default), gets one
+        TPUCompileBudgetWarning naming it, its programs and seconds, and what changed at
+        its last recompiles; with ``config.compile_budget_action = "error"`` it raises
+        TPUCompileBudgetError instead, so that a CI run fails where a change made a
+        line compile more than it should."""
+    metrics.count("compiles_by_line", where)  # and their seconds: progress.py
+    programs, limit = config.compile_budget_programs, config.compile_budget_seconds
+    if not (programs or limit):
+        return
+    entry = _budgets.setdefault(where, [0, 0.0, False])
+    entry[0] += 1
+    entry[1] += seconds
+    if entry[2] or not ((programs and entry[0] > programs) or (limit and entry[1] > limit)):
+        return
+    entry[2] = True
+    budget = " and ".join(
+        part
+        for part in (f"{programs} programs" if programs else "", f"{limit:g} s" if limit else "")
+        if part
+    )
+    changes = "; ".join(_changes.get(where, ())) or f"the last was {what}"
+    message = (
+        f"torchtpu: {where} compiled {entry[0]} XLA programs in {entry[1]:.1f} s, over the "
+        f"compile budget of {budget} a line. What changed: {changes}. Keep shapes fixed "
+        "(pad or bucket them; torch.compile(dynamic=True) buckets sizes for inference) and "
+        "pass changing numbers as tensors."
+    )
+    if config.compile_budget_action == "error":
+        raise TPUCompileBudgetError(message)
+    warnings.warn(message, TPUCompileBudgetWarning, stacklevel=user_stacklevel())
 
 
 def note_flush(reason: str, where: str) -> None:
@@ -231,3 +297,5 @@ def reset() -> None:
     _flushes.clear()
     _chunk_compiles[:] = [0.0, 0, None, False, (0, 0), 0]
     _chunk_ops.clear()
+    _budgets.clear()
+    _changes.clear()
