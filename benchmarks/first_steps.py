@@ -25,13 +25,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+
+from benchmarks.cells import run_cell  # noqa: E402
 
 WORKLOADS = ("mlp", "llama", "unet2d", "mobilenetv3")
 PATHS = ("cpu", "strict", "defer", "jit")
@@ -149,14 +150,8 @@ def _cell(workload: str, path: str, cache: str | None, tiny: bool) -> dict:
     env = dict(os.environ)
     env["TORCHTPU_COMPILE_CACHE_DIR"] = cache or "0"
     env.setdefault("PYTHONPATH", os.path.join(ROOT, "src"))
-    run = subprocess.run(
-        [sys.executable, __file__, "--child", workload, path] + (["--tiny"] if tiny else []),
-        capture_output=True, text=True, env=env, cwd=ROOT, timeout=3600,
-    )  # fmt: skip
-    lines = [line for line in run.stdout.splitlines() if line.startswith("{")]
-    if run.returncode != 0 or not lines:
-        return {"error": (run.stderr.strip().splitlines() or ["no output"])[-1][:120]}
-    return json.loads(lines[-1])
+    arguments = ["--child", workload, path] + (["--tiny"] if tiny else [])
+    return run_cell(__file__, arguments, env, ROOT)
 
 
 def _seconds(value) -> str:

@@ -24,12 +24,13 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+
+from benchmarks.cells import run_cell  # noqa: E402
 
 PATHS = ("cpu", "pow2", "off", "strict")
 _NAMES = {
@@ -115,15 +116,8 @@ def child(path: str, lengths: tuple, tiny: bool) -> dict:
 def _cell(path: str, lengths: tuple, tiny: bool) -> dict:
     env = dict(os.environ, TORCHTPU_COMPILE_CACHE_DIR="0")
     env.setdefault("PYTHONPATH", os.path.join(ROOT, "src"))
-    command = [sys.executable, __file__, "--child", path, "--lengths", ",".join(map(str, lengths))]
-    run = subprocess.run(
-        command + (["--tiny"] if tiny else []),
-        capture_output=True, text=True, env=env, cwd=ROOT, timeout=3600,
-    )  # fmt: skip
-    lines = [line for line in run.stdout.splitlines() if line.startswith("{")]
-    if run.returncode != 0 or not lines:
-        return {"error": (run.stderr.strip().splitlines() or ["no output"])[-1][:120]}
-    return json.loads(lines[-1])
+    arguments = ["--child", path, "--lengths", ",".join(map(str, lengths))]
+    return run_cell(__file__, arguments + (["--tiny"] if tiny else []), env, ROOT)
 
 
 def main(argv=None):

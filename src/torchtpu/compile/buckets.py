@@ -250,7 +250,9 @@ class Plan:
                 if user.op != "call_function":
                     raise Refused(f"a dynamic size used by a {user.op} node")
                 if not isinstance(target, torch._ops.OpOverload):
-                    continue  # arithmetic of sizes: its own uses are checked
+                    if getattr(target, "__module__", None) in _ARITHMETIC:
+                        continue  # arithmetic of sizes: its own uses are checked
+                    raise Refused(f"a dynamic size given to {target}")
                 for name in _argument_names(user, node):
                     if (target, name) not in _SIZE_ARGUMENTS and name not in _SIZES:
                         raise Refused(f"{target}: a dynamic size as its {name!r}")
@@ -289,7 +291,10 @@ def _argument_names(user: torch.fx.Node, node: torch.fx.Node) -> list:
     return names
 
 
-_SIZES = ("size", "sizes", "shape")
+_SIZES = ("size", "sizes", "shape", "stride")  # shaping or laying out tensors
+# Modules of the functions the graph computes sizes with (operator.mul, math.floor,
+# torch.sym_max, ...)
+_ARITHMETIC = ("_operator", "operator", "math", "builtins", "torch")
 _SIZE_ARGUMENTS = {
     (aten.slice.Tensor, "end"),
     (aten.arange.default, "end"),
