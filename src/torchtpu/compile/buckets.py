@@ -175,8 +175,6 @@ class Plan:
         if node.op == "placeholder":
             if isinstance(value, torch.Tensor):
                 dims = self._dims(value, "an input")
-                if any(len(d) != 1 for d in dims):
-                    raise Refused("an input")
                 self.structures[node] = dims
                 self.inputs.append(dims)
             else:
@@ -324,10 +322,10 @@ def _pointwise(op) -> bool:
 # -- rules: (plan, node, structures of the args, the node's fake value) -> structure --
 
 
-def _broadcast(plan: Plan, node, structures, value) -> tuple:
-    """The dims of a result broadcast from ``structures``: each padded dim must be
-    padded alike in every input that has it (not broadcast from size 1)."""
-    rank = value.dim()
+def _broadcast(plan: Plan, node, structures, shape) -> tuple:
+    """The dims of a result of ``shape`` broadcast from ``structures``: each padded dim
+    must be padded alike in every input that has it (not broadcast from size 1)."""
+    rank = len(shape)
     dims = []
     for d in range(rank):
         found = None
@@ -339,7 +337,7 @@ def _broadcast(plan: Plan, node, structures, value) -> tuple:
                 found = s[k]
             elif found != s[k]:
                 raise Refused(f"{node.target}: inputs padded differently")
-        dims.append(found if found is not None else plan._dim(value.shape[d], node.target))
+        dims.append(found if found is not None else plan._dim(shape[d], node.target))
     return tuple(dims)
 
 
@@ -349,7 +347,7 @@ def _pointwise_rule(plan, node, ins, value):
     if node.target in _INTEGER_DIVISIONS and _padded(divisor) and not value.dtype.is_floating_point:
         # Integer division by a padded 0 would raise: the padding divides by 1.
         plan.actions[node] = _Action("mask", ((1, _all_dims, "one"),))
-    return _broadcast(plan, node, structures, value)
+    return _broadcast(plan, node, structures, value.shape)
 
 
 def _same(plan, node, ins, value):
@@ -476,7 +474,7 @@ def _cat(plan, node, ins, value):
     if not all(_static(s[dim]) for s in structures):
         raise Refused(f"{node.target}: a padded dim joined")
     others = [tuple((1,) if i == dim else d for i, d in enumerate(s)) for s in structures]
-    dims = list(_broadcast(plan, node, others, value))
+    dims = list(_broadcast(plan, node, others, value.shape))
     dims[dim] = plan._dim(value.shape[dim], node.target)
     return tuple(dims)
 
@@ -621,7 +619,7 @@ def _index(plan, node, ins, value):
         raise Refused(f"{node.target}: an index into a padded dim of several sizes")
     structures = [indices[i] for i in given]
     shape = torch.broadcast_shapes(*(node.args[1][i].meta["val"].shape for i in given))
-    broadcast = _broadcast(plan, node, structures, _Shaped(shape))
+    broadcast = _broadcast(plan, node, structures, shape)
     if given == list(range(given[0], given[-1] + 1)):
         dims = source[: given[0]] + broadcast + source[given[-1] + 1 :]
     else:
@@ -630,13 +628,6 @@ def _index(plan, node, ins, value):
     if padded:
         plan.actions[node] = _Action("indices", (padded,))
     return dims
-
-
-class _Shaped(NamedTuple):
-    shape: tuple
-
-    def dim(self) -> int:
-        return len(self.shape)
 
 
 def _contraction(plan, node, a: int, b: int, ins, batch: bool):
@@ -665,7 +656,7 @@ def _bmm(plan, node, ins, value):
 
 def _addmm(plan, node, ins, value):
     out = _contraction(plan, node, 1, 2, ins, batch=node.target is aten.baddbmm.default)
-    return _broadcast(plan, node, [out, ins[0]], value)
+    return _broadcast(plan, node, [out, ins[0]], value.shape)
 
 
 def _attention(plan, node, ins, value):

@@ -582,8 +582,9 @@ def _run(q: _Queue, reason: str, needed=()) -> dict:
         if not chunk.compiled:
             chunk.compiled = True
             seconds = time.perf_counter() - start
+            metrics.count("compile_seconds", "chunk", seconds)  # counted when it was made
             what = f"a DeferAndFuse chunk of {len(q.plans)} ops"
-            perf_warnings.compiled("chunk", seconds, where or user_frame(), what, already_counted=True)
+            perf_warnings.note_compile_time(where or user_frame(), seconds, what)
             ops = tuple(plan.op for plan in q.plans)
             perf_warnings.note_chunk_compile(seconds, ops, where)
     except Exception as exc:

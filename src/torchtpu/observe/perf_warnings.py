@@ -136,12 +136,10 @@ def note_compile(kind: str, where: str, key, describe_change) -> None:
     entry[3] = key
 
 
-def compiled(kind: str, seconds: float, where: str, what: str, already_counted=False) -> None:
-    """An XLA program of ``kind`` ("op", "chunk", "graph", "step") compiled in ``seconds``
-    for user line ``where``: the counters (``compiles`` unless ``already_counted``) and
-    the line's budget."""
-    if not already_counted:
-        metrics.count("compiles", kind)
+def compiled(kind: str, seconds: float, where: str, what: str) -> None:
+    """An XLA program of ``kind`` ("op", "graph") compiled in ``seconds`` for user line
+    ``where``: its counters and the line's budget."""
+    metrics.count("compiles", kind)
     metrics.count("compile_seconds", kind, seconds)
     note_compile_time(where, seconds, what)
 
@@ -168,11 +166,10 @@ def note_compile_time(where: str, seconds: float, what: str) -> None:
     if entry[2] or not ((programs and entry[0] > programs) or (limit and entry[1] > limit)):
         return
     entry[2] = True
-    budget = " and ".join(
-        part
-        for part in (f"{programs} programs" if programs else "", f"{limit:g} s" if limit else "")
-        if part
-    )
+    parts = [f"{programs} programs"] if programs else []
+    if limit:
+        parts.append(f"{limit:g} s")
+    budget = " and ".join(parts)
     changes = "; ".join(_changes.get(where, ())) or f"the last was {what}"
     message = (
         f"torchtpu: {where} compiled {entry[0]} XLA programs in {entry[1]:.1f} s, over the "
