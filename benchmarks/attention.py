@@ -4,13 +4,16 @@
     python benchmarks/attention.py --lengths 1024 2048  # quicker
     python benchmarks/attention.py --transformers       # through a Transformers model
     python benchmarks/attention.py --path compile       # compiled: the program's loop
+    python benchmarks/attention.py --dtype bfloat16     # and JAX's splash kernel (a TPU)
 
 One causal sliding window of 256 keys (``create_block_mask``, blocks of 128), q, k, v
 float32 [1, 4, L, 64] on tpu, forward and backward in Strict mode (or, with ``--path``,
 under ``torch.compile(backend="tpu")`` or in a ``torchtpu.jit`` step), with
 ``torchtpu.config.flex_blocks`` "on" (compile/flex_blocks.py: only the blocks the mask
 lists are scored; in a compiled program, a loop over them, compile/flex_loop.py) and
-"off" (torch's dense implementation: every score of [L, L] is built and masked). Each cell runs in a fresh process: the median of ``--repeats`` steps
+"off" (torch's dense implementation: every score of [L, L] is built and masked); with
+``--dtype bfloat16`` in Strict, also as JAX's Pallas splash kernel over the same blocks
+(compile/flex_splash.py; on a TPU). Each cell runs in a fresh process: the median of ``--repeats`` steps
 after one that compiles, and the peak memory -- growth of the process's peak RSS over
 its resident size before the timed steps (JAX's CPU backend holds device arrays in the
 process) and, where JAX reports it (TPU, GPU), the device's peak bytes from before the
@@ -38,8 +41,9 @@ import torchtpu
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 length, blocks, repeats, transformers = {length!r}, {blocks!r}, {repeats!r}, {transformers!r}
-path = {path!r}
+path, dtype, flash = {path!r}, getattr(torch, {dtype!r}), {flash!r}
 torchtpu.config.flex_blocks = blocks
+torchtpu.config.flash_attention = flash
 WINDOW = 256
 
 
@@ -78,7 +82,7 @@ if transformers:  # Transformers makes the block mask and compiles flex_attentio
         loss.backward()
         return float(loss)
 else:
-    q, k, v = (torch.randn(1, 4, length, 64).to("tpu").requires_grad_() for _ in range(3))
+    q, k, v = (torch.randn(1, 4, length, 64, dtype=dtype).to("tpu").requires_grad_() for _ in range(3))
     # Made on the CPU: made on tpu, its dense [L, L] mask would be the device's peak.
     mask = create_block_mask(window, None, None, length, length, device="cpu", BLOCK_SIZE=128)
     mask = mask.to("tpu")
@@ -125,10 +129,13 @@ print(json.dumps({{
 """
 
 
-def cell(length: int, blocks: str, repeats: int, transformers: bool = False, path="strict") -> dict:
+def cell(
+    length: int, blocks: str, repeats: int, transformers: bool = False, path="strict",
+    dtype="float32", flash="off",
+) -> dict:  # fmt: skip
     code = _CELL.format(
         root=ROOT, length=length, blocks=blocks, repeats=repeats, transformers=transformers,
-        path=path,
+        path=path, dtype=dtype, flash=flash,
     )  # fmt: skip
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     if run.returncode:
@@ -153,6 +160,10 @@ def main():
         "--path", choices=("strict", "compile", "jit"), default="strict",
         help="eager Strict, torch.compile(backend='tpu') or a torchtpu.jit step",
     )  # fmt: skip
+    parser.add_argument(
+        "--dtype", choices=("float32", "bfloat16"), default="float32",
+        help="q, k and v's dtype; bfloat16 in Strict adds the splash kernel's columns",
+    )  # fmt: skip
     args = parser.parse_args()
     if args.transformers and args.path != "strict":
         parser.error("--transformers runs in Strict (Transformers compiles flex_attention itself)")
@@ -161,25 +172,39 @@ def main():
         "a Transformers MistralForCausalLM (2 layers, d 256, 4 heads of 64, sliding window "
         "256), attn_implementation=\"flex_attention\", one sequence of L tokens"
         if args.transformers
-        else "FlexAttention, causal sliding window of 256, [1, 4, L, 64] float32"
+        else f"FlexAttention, causal sliding window of 256, [1, 4, L, 64] {args.dtype}"
     )
+    splash = args.dtype == "bfloat16" and args.path == "strict" and not args.transformers
     how = {"strict": "Strict", "compile": "torch.compile", "jit": "torchtpu.jit"}[args.path]
     print(f"`python benchmarks/attention.py --lengths {' '.join(map(str, args.lengths))}"
           f"{' --transformers' if args.transformers else ''}"
-          f"{'' if args.path == 'strict' else ' --path ' + args.path}`: {what}, forward and "
+          f"{'' if args.path == 'strict' else ' --path ' + args.path}"
+          f"{'' if args.dtype == 'float32' else ' --dtype ' + args.dtype}`: {what}, forward and "
           f"backward, {how}\n")  # fmt: skip
+    extra = " splash: time | splash: device peak | dense/splash |" if splash else ""
     print("| L | blocks: time | dense: time | dense/blocks | blocks: peak RSS growth | "
-          "dense: peak RSS growth | blocks: device peak | dense: device peak |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|")
+          f"dense: peak RSS growth | blocks: device peak | dense: device peak |{extra}")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|" + ("---|---|---|" if splash else ""))
     for length in args.lengths:
-        on, off = (cell(length, b, args.repeats, args.transformers, args.path) for b in ("on", "off"))
+        on, off = (
+            cell(length, b, args.repeats, args.transformers, args.path, args.dtype)
+            for b in ("on", "off")
+        )
+        kernel = ""
+        if splash:
+            fused = cell(length, "on", args.repeats, False, "strict", args.dtype, "auto")
+            kernel = (
+                f" {fused['error']} | | |" if "error" in fused else
+                f" {fused['seconds'] * 1e3:,.1f} ms | {_mib(fused['device'])} | "
+                f"{off.get('seconds', 0) / fused['seconds']:.1f}x |"
+            )  # fmt: skip
         if "error" in on or "error" in off:
             print(f"| {length} | {on.get('error', '')} | {off.get('error', '')} | | | | | |")
             continue
         print(
             f"| {length} | {on['seconds'] * 1e3:,.1f} ms | {off['seconds'] * 1e3:,.1f} ms | "
             f"{off['seconds'] / on['seconds']:.1f}x | {_mib(on['growth'])} | {_mib(off['growth'])} | "
-            f"{_mib(on['device'])} | {_mib(off['device'])} |",
+            f"{_mib(on['device'])} | {_mib(off['device'])} |{kernel}",
             flush=True,
         )
 

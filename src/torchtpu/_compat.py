@@ -148,6 +148,19 @@ def replace_flex_attention_device_check(check):
     return original
 
 
+def wrap_flex_attention_gradient_graphs(wrap):
+    """Make ``wrap(torchs)`` the function that traces score_mod's forward and gradient
+    graphs in FlexAttention's autograd (torch 2.11-2.15: the module function
+    ``torch._higher_order_ops.flex_attention.create_fw_bw_graph(score_mod,
+    index_values, other_buffers)``, looked up at each call). Returns torch's."""
+    module = importlib.import_module("torch._higher_order_ops.flex_attention")
+    original = getattr(module.create_fw_bw_graph, "torchs", module.create_fw_bw_graph)
+    replacement = wrap(original)
+    replacement.torchs = original
+    module.create_fw_bw_graph = replacement
+    return original
+
+
 def wrap_transformer_encoder_forward(forward):
     """Make ``forward`` ``nn.TransformerEncoder.forward`` (torch 2.11-2.15: ``forward(self,
     src, mask=None, src_key_padding_mask=None, is_causal=None)``, its nested-tensor fast

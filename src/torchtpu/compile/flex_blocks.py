@@ -39,7 +39,7 @@ import torch
 from torch._dynamo._trace_wrapped_higher_order_op import TransformGetItemToIndex
 
 from torchtpu import config, tracing
-from torchtpu.compile import flex_loop
+from torchtpu.compile import flex_loop, flex_splash
 from torchtpu.compile.program import tensor_of
 from torchtpu.dispatch.values import materialize
 from torchtpu.observe import metrics
@@ -85,6 +85,18 @@ def _why_dense(block_mask: tuple, kv_length: int, dtype: torch.dtype):
     if config.flex_blocks != "on" and 2 * sum(most) * kv_block > kv_length:
         return "the listed blocks hold more than half of the scores", None
     return None, most
+
+
+def _takes_splash(
+    query, key, value, score_mod, block_mask, kernel_options, grad_lse=None, backward=False
+) -> bool:
+    """Whether an eager call runs as JAX's splash kernel (flex_splash.py): where the
+    block counts can be read and the kernel takes the call."""
+    if tracing.active() is not None or _why_dense_anyway(block_mask[-2], key.size(2)):
+        return False
+    return flex_splash.applies(
+        query, key, value, score_mod, block_mask, kernel_options, backward, grad_lse
+    )
 
 
 def _why_dense_anyway(kv_block: int, kv_length: int) -> str | None:
@@ -233,6 +245,10 @@ def forward(query, key, value, score_mod, block_mask, scale, kernel_options, sco
     """The flex_attention op's (out, log2-sum-exp, log2 max score), torch's dense
     implementation's results, from the listed blocks only (or by it, where those are
     not known or would not pay)."""
+    if _takes_splash(query, key, value, score_mod, block_mask, kernel_options):
+        most = _most(block_mask[2], block_mask[4])
+        out, lse, top = flex_splash.forward(query, key, value, block_mask, scale, most, mask_buffers)
+        return _hop._permute_strides(out, query.stride()), lse, top
     most = blocks_to_visit(block_mask, key.size(2), query.dtype)
     if most is None:
         return _hop.sdpa_dense(
@@ -264,6 +280,17 @@ def backward(
     """The flex_attention_backward op's (grad q, grad k, grad v, grads of score_mod's
     captured tensors), from the listed blocks only; ``dense`` where they are not known
     or would not pay."""
+    if _takes_splash(
+        query, key, value, fw_graph, block_mask, kernel_options, grad_logsumexp, backward=True
+    ):
+        most = _most(block_mask[2], block_mask[4])
+        most_t = _most(block_mask[6], block_mask[8])
+        grads = flex_splash.backward(
+            grad_out, query, key, value, block_mask, scale, most, most_t, mask_buffers
+        )
+        strides = (query.stride(), key.stride(), value.stride())
+        grads = tuple(_hop._permute_strides(g, s) for g, s in zip(grads, strides))
+        return (*grads, tuple(None for _ in score_buffers))
     most = blocks_to_visit(block_mask, key.size(2), query.dtype)
     if most is None:
         return dense(

@@ -25,6 +25,7 @@ from torchtpu.ops import (  # noqa: E402, F401  (each module registers its lower
     reduction,
     shape,
     special,
+    splash_attention,
     upsample,
     views,
 )

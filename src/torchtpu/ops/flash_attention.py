@@ -78,7 +78,7 @@ def _why_not(query, key, value, attn_mask) -> str | None:
 
 
 @contextlib.contextmanager
-def _kernels():
+def kernels_context():
     """Where the kernels trace: in 32 bits (Note [Pallas kernels trace in 32 bits],
     interop/pallas.py), and interpreted off a TPU."""
     from jax.experimental.pallas import tpu as pltpu
@@ -114,13 +114,13 @@ def _flash(query, key, is_causal, scale):
 
 
 def forward(query, key, value, is_causal, scale):
-    with _kernels():
+    with kernels_context():
         return _flash(query, key, is_causal, scale)(query, key, value)
 
 
 def backward(grad_out, query, key, value, is_causal, scale):
     """(dq, dk, dv): the kernels' own backward, after a forward that keeps the softmax's
     row statistics (as the dense lowering's backward recomputes its weights)."""
-    with _kernels():
+    with kernels_context():
         _, pullback = jax.vjp(_flash(query, key, is_causal, scale), query, key, value)
         return pullback(grad_out.astype(query.dtype))
