@@ -236,3 +236,14 @@ def test_a_block_masks_layout_is_made_once_for_every_layer_and_the_backward(kern
     block_mask.kv_num_blocks.add_(0)  # changed in place: made again
     flex_attention(q, k, v, block_mask=block_mask)
     assert made == [False, True, False]
+
+
+def test_block_lists_too_large_for_the_kernels_scalar_memory_keep_the_blocks(kernels, monkeypatch):
+    from torchtpu.compile import flex_splash
+
+    monkeypatch.setattr(flex_splash, "SCALAR_MEMORY_BUDGET", 64)
+    inputs = _inputs()
+    mask_mod, dense = _mask("causal", "tpu")
+    _close(_on_tpu(inputs, mask_mod), _expected(inputs, dense))
+    reason = "flex: no splash: block lists too large for the kernel's scalar memory"
+    assert torchtpu.metrics()["attention"][reason] == 2

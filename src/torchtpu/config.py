@@ -155,9 +155,10 @@ libtpu_dir: str | None = os.environ.get("TORCHTPU_LIBTPU_DIR") or None
 compile_progress: bool = _env_flag("TORCHTPU_COMPILE_PROGRESS", True)
 compile_progress_after: float = float(os.environ.get("TORCHTPU_COMPILE_PROGRESS_AFTER", "2"))
 
-#: scaled_dot_product_attention by JAX's Pallas flash kernels (ops/flash_attention.py):
-#: "auto" on a TPU where the inputs allow, "on" on any backend (interpreted off a TPU:
-#: for tests), "off" never. Read when an op's program is built.
+#: scaled_dot_product_attention by JAX's Pallas flash kernels (ops/flash_attention.py),
+#: and FlexAttention with a block mask and no score_mod by its splash kernel
+#: (compile/flex_splash.py): "auto" on a TPU where the inputs allow, "on" on any backend
+#: (interpreted off a TPU: for tests), "off" never. Read when an op's program is built.
 flash_attention: str = os.environ.get("TORCHTPU_FLASH_ATTENTION", "auto").strip().lower()
 
 #: FlexAttention over the blocks its BlockMask lists (compile/flex_blocks.py): "auto"

@@ -87,16 +87,23 @@ def _why_dense(block_mask: tuple, kv_length: int, dtype: torch.dtype):
     return None, most
 
 
-def _takes_splash(
+def _splash_blocks(
     query, key, value, score_mod, block_mask, kernel_options, grad_lse=None, backward=False
-) -> bool:
-    """Whether an eager call runs as JAX's splash kernel (flex_splash.py): where the
-    block counts can be read and the kernel takes the call."""
+):
+    """Where an eager call runs as JAX's splash kernel (flex_splash.py): the most blocks
+    of the forward's lists and, for the backward, of the transposed ones; else None."""
     if tracing.active() is not None or _why_dense_anyway(block_mask[-2], key.size(2)):
-        return False
-    return flex_splash.applies(
-        query, key, value, score_mod, block_mask, kernel_options, backward, grad_lse
-    )
+        return None
+    if not flex_splash.offered():
+        return None
+    reason = flex_splash.why_not(query, key, value, score_mod, block_mask, kernel_options, grad_lse)
+    most = most_t = None
+    if reason is None:
+        most = _most(block_mask[2], block_mask[4])
+        most_t = _most(block_mask[6], block_mask[8]) if backward else None
+        reason = flex_splash.too_large(query, block_mask, most, most_t)
+    flex_splash.count(reason, backward)
+    return None if reason is not None else (most, most_t)
 
 
 def _why_dense_anyway(kv_block: int, kv_length: int) -> str | None:
@@ -245,8 +252,9 @@ def forward(query, key, value, score_mod, block_mask, scale, kernel_options, sco
     """The flex_attention op's (out, log2-sum-exp, log2 max score), torch's dense
     implementation's results, from the listed blocks only (or by it, where those are
     not known or would not pay)."""
-    if _takes_splash(query, key, value, score_mod, block_mask, kernel_options):
-        most = _most(block_mask[2], block_mask[4])
+    splash = _splash_blocks(query, key, value, score_mod, block_mask, kernel_options)
+    if splash is not None:
+        most = splash[0]
         out, lse, top = flex_splash.forward(query, key, value, block_mask, scale, most, mask_buffers)
         return _hop._permute_strides(out, query.stride()), lse, top
     most = blocks_to_visit(block_mask, key.size(2), query.dtype)
@@ -280,11 +288,11 @@ def backward(
     """The flex_attention_backward op's (grad q, grad k, grad v, grads of score_mod's
     captured tensors), from the listed blocks only; ``dense`` where they are not known
     or would not pay."""
-    if _takes_splash(
+    splash = _splash_blocks(
         query, key, value, fw_graph, block_mask, kernel_options, grad_logsumexp, backward=True
-    ):
-        most = _most(block_mask[2], block_mask[4])
-        most_t = _most(block_mask[6], block_mask[8])
+    )
+    if splash is not None:
+        most, most_t = splash
         grads = flex_splash.backward(
             grad_out, query, key, value, block_mask, scale, most, most_t, mask_buffers
         )

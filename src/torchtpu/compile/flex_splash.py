@@ -10,8 +10,10 @@ What the kernel takes (anything else keeps the block path, and
 ``torchtpu.metrics()["attention"]`` counts each choice with its reason):
 - no score_mod (a score_mod is arbitrary code per score; mask_mod is data here);
 - bfloat16 q, k and v of rank 4 with a head size of 64 or 128 (as the flash kernels,
-  ops/flash_attention.py, for the same reasons);
-- blocks of multiples of 128 that divide the lengths;
+  ops/flash_attention.py, for the same reasons: on a TPU v5e float32 inputs through the
+  kernel differed from float64 by up to 1.4e-2, the block path's by 1.5e-4);
+- blocks of multiples of 128 that divide the lengths, and block lists that fit the
+  kernel's scalar memory (``SCALAR_MEMORY_BUDGET``);
 - no request for the maximum scores (``return_aux=AuxRequest(max_scores=True)``);
   in the backward, no gradient through the log-sum-exp.
 
@@ -37,25 +39,43 @@ from torchtpu.runtime import platform, policy
 BLOCK = 128
 
 
-def applies(
-    query, key, value, score_mod, block_mask, kernel_options, backward=False, grad_lse=None
-) -> bool:
-    """Whether this call takes the splash kernel. Where the kernel exists, counts the
-    choice, or the reason it was not taken ("flex: no splash: ..."), beside the block
-    path's own choice."""
-    if config.flash_attention == "off" or (
-        config.flash_attention != "on" and not (policy.flash_attention() and platform() == "tpu")
-    ):
+# What the kernel's scalar memory may hold of a block mask's lists: a grid's three
+# int32 arrays of [batch * heads, blocks, slots] are prefetched into it whole, and a v5e
+# core has 1 MiB of it (jax's tpu_info); half, for the kernels' own scalars. Larger lists
+# (a causal mask over 8k keys with 32 heads and batch: 133k slots) keep the block path.
+SCALAR_MEMORY_BUDGET = 512 * 1024
+
+
+def offered() -> bool:
+    """Whether the kernel is offered here at all (config.flash_attention, the platform)."""
+    if config.flash_attention == "off":
         return False
-    reason = _why_not(query, key, value, score_mod, block_mask, kernel_options, grad_lse)
+    return config.flash_attention == "on" or (policy.flash_attention() and platform() == "tpu")
+
+
+def too_large(query, block_mask, most, most_t=None) -> str | None:
+    """Why the block lists do not fit the kernel's scalar memory, or None."""
+    slots = max(most[0], 1) + most[1]
+    grids = [block_mask[2].shape[-1] * slots]  # per row: query blocks x slots
+    if most_t is not None:
+        grids.append(block_mask[6].shape[-1] * (max(most_t[0], 1) + most_t[1]))
+    if 3 * 4 * query.size(0) * query.size(1) * max(grids) > SCALAR_MEMORY_BUDGET:
+        return "block lists too large for the kernel's scalar memory"
+    return None
+
+
+def count(reason: str | None, backward: bool) -> None:
+    """Counts the choice, or the reason the kernel was not taken, beside the block
+    path's own choice."""
     if reason is not None:
         metrics.count("attention", f"flex: no splash: {reason}")
-        return False
-    metrics.count("attention", "flex: splash" + (" (backward)" if backward else ""))
-    return True
+    else:
+        metrics.count("attention", "flex: splash" + (" (backward)" if backward else ""))
 
 
-def _why_not(query, key, value, score_mod, block_mask, kernel_options, grad_lse) -> str | None:
+def why_not(query, key, value, score_mod, block_mask, kernel_options, grad_lse=None) -> str | None:
+    """Why a call the kernel is offered for does not take it, before its block counts
+    are known; None where it may."""
     if not _is_identity(score_mod):
         return "a score_mod"
     if (kernel_options or {}).get("OUTPUT_MAX"):
@@ -190,7 +210,7 @@ def _layout(block_mask, most, batch: int, heads: int, buffers, transposed: bool)
 
 def forward(query, key, value, block_mask, scale, most, mask_buffers):
     """flex_attention's (out, log2-sum-exp, maximum scores) by the kernel. The maximum
-    scores are not computed (``applies`` refused a call that asks for them): zeros."""
+    scores are not computed (``why_not`` refuses a call that asks for them): zeros."""
     batch, heads = query.shape[:2]
     slots, masks, partial_slots = _layout(block_mask, most, batch, heads, mask_buffers, False)
     out, lse = flex_splash_op(query, key, value, slots, masks, scale, partial_slots)

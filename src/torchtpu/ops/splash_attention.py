@@ -163,6 +163,6 @@ def _flex_splash_backward(
     kv_shape = (batch, *key.shape[1:])
     grad_k = grad_k.reshape(kv_shape)
     grad_v = grad_v.reshape((batch, *value.shape[1:]))
-    if key.shape[0] != batch:  # one key batch broadcast over the queries'
-        grad_k, grad_v = grad_k.sum(0, keepdims=True), grad_v.sum(0, keepdims=True)
+    if key.shape[0] != batch:  # one key batch broadcast over the queries': sum in float32
+        grad_k, grad_v = (g.astype(jnp.float32).sum(0, keepdims=True) for g in (grad_k, grad_v))
     return [grad_q, grad_k.astype(key.dtype), grad_v.astype(value.dtype)]
