@@ -129,3 +129,52 @@ def test_off_a_tpu_auto_keeps_the_dense_lowering(monkeypatch):
     (reason,) = torchtpu.metrics()["attention"]
     expected = "flash" if torchtpu.runtime.platform() == "tpu" else "dense: no Pallas flash"
     assert reason.startswith(expected)
+
+
+@pytest.fixture
+def cudnn(monkeypatch):
+    """cuDNN's path as on a GPU, with JAX choosing its own implementation on the CPU:
+    the choice, the layout and the backward are ours; the kernel is JAX's."""
+    from torchtpu.ops import cudnn_attention
+
+    monkeypatch.setattr(cudnn_attention, "offered", lambda: True)
+    monkeypatch.setattr(cudnn_attention, "IMPLEMENTATION", None)
+    torchtpu.reset_metrics()
+
+
+@pytest.mark.parametrize(
+    "shape, kwargs",
+    [
+        (dict(length=24, size=40), dict()),
+        (dict(batch=2, length=40, size=32), dict(is_causal=True, scale=0.3)),
+        (dict(heads=4, kv_heads=2, length=48, size=16), dict(is_causal=True, enable_gqa=True)),
+    ],
+    ids=["plain", "causal-scale", "gqa"],
+)
+def test_on_a_gpu_cudnns_kernel_takes_the_call_and_matches_the_cpu(cudnn, shape, kwargs):
+    q, k, v = _inputs(**shape)
+    ours = _run(q, k, v, "tpu", **kwargs)
+    assert torchtpu.metrics()["attention"] == {"cudnn": 2}  # the forward and the backward
+    for a, e in zip(ours, _run(q, k, v, "cpu", **kwargs)):
+        assert_same(a, e, **TOLERANCE)
+
+
+@pytest.mark.parametrize(
+    "change, reason",
+    [
+        (dict(dtype=torch.float32), "not bfloat16 or float16"),
+        (dict(mask=True), "an attn_mask"),
+        (dict(size=12), "a head size not a multiple of 8 up to 128"),
+        (dict(kv_length=32, causal=True), "causal with more or fewer keys than queries"),
+    ],
+    ids=["float32", "mask", "head-size", "causal-longer-keys"],
+)
+def test_on_a_gpu_other_calls_keep_the_dense_lowering_and_say_why(cudnn, change, reason):
+    q, k, v = _inputs(length=24, kv_length=change.get("kv_length"), size=change.get("size", 16))
+    q, k, v = (x.to(change.get("dtype", BF16)) for x in (q, k, v))
+    mask = torch.ones(24, k.shape[-2], dtype=torch.bool).tril() if "mask" in change else None
+    kwargs = dict(is_causal=change.get("causal", False))
+    ours = _run(q, k, v, "tpu", attn_mask=None if mask is None else tpu(mask), **kwargs)
+    assert torchtpu.metrics()["attention"] == {f"dense: {reason}": 2}
+    for a, e in zip(ours, _run(q, k, v, "cpu", attn_mask=mask, **kwargs)):
+        assert_same(a, e, **TOLERANCE)

@@ -247,3 +247,19 @@ def test_block_lists_too_large_for_the_kernels_scalar_memory_keep_the_blocks(ker
     _close(_on_tpu(inputs, mask_mod), _expected(inputs, dense))
     reason = "flex: no splash: block lists too large for the kernel's scalar memory"
     assert torchtpu.metrics()["attention"][reason] == 2
+
+
+def test_explain_says_which_attention_ran_and_why(kernels):
+    inputs = _inputs()
+    mask_mod, _ = _mask("causal", "tpu")
+    block_mask = create_block_mask(mask_mod, B, H, L, L, device="tpu", BLOCK_SIZE=BLOCK)
+    q, k, v = (tpu(t.to(torch.bfloat16)) for t in inputs)
+
+    def both(q, k, v):
+        flex_attention(q, k, v, block_mask=block_mask)
+        return flex_attention(q.float(), k.float(), v.float(), block_mask=block_mask)
+
+    text = str(torchtpu.explain(both, q, k, v))
+    assert "  attention:\n" in text
+    assert "flex: splash: 1" in text
+    assert "flex: no splash: not bfloat16: 1" in text

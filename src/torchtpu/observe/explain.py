@@ -82,6 +82,11 @@ class Explanation:
                     for kind, n in sorted(collectives.items())
                 )
             )
+        attention = m.get("attention", {})
+        if attention:  # which attention implementation each call took, and why
+            lines.append("  attention:")
+            for choice, n in sorted(attention.items(), key=lambda kv: -kv[1]):
+                lines.append(f"    {choice}: {int(n)}")
         moved = m.get("transfer_bytes", {})
         if moved:
             lines.append(

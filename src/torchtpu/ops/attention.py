@@ -18,9 +18,10 @@ AutogradPrivateUse1 kernel, device.py ``_scaled_dot_product_attention``) calls
 
 Dropout (``dropout_p > 0``) and a mask that requires a gradient take torch's math path.
 float32 inputs follow torch's float32 matmul precision (matmul_precision.py). The
-scores are materialised inside the op's program, except where JAX's Pallas flash
-kernels take the call (on a TPU: bfloat16, no mask, lengths multiples of 128;
-ops/flash_attention.py).
+scores are materialised inside the op's program, except where a fused kernel takes
+the call: JAX's Pallas flash kernels on a TPU (bfloat16, no mask, lengths multiples of
+128; ops/flash_attention.py), cuDNN's through ``jax.nn.dot_product_attention`` on a GPU
+(ops/cudnn_attention.py).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import torch
 
-from torchtpu.ops import flash_attention
+from torchtpu.ops import cudnn_attention, flash_attention
 from torchtpu.ops.registry import lowers
 
 _library = torch.library.Library("torchtpu_nn", "DEF")
@@ -118,11 +119,20 @@ def _product(a, b, spec, precision, dtype):
     )
 
 
+def _fused(query, key, value, attn_mask, is_causal):
+    """The module of the fused kernel this call takes (cuDNN's on a GPU, the Pallas
+    flash kernels on a TPU), or None for the dense lowering; the choice is counted."""
+    if cudnn_attention.offered():
+        return cudnn_attention if cudnn_attention.applies(query, key, value, attn_mask, is_causal) else None
+    return flash_attention if flash_attention.applies(query, key, value, attn_mask) else None
+
+
 @lowers(attention_op, static=("is_causal", "scale", "enable_gqa"), precision=True)
 def _attention(query, key, value, attn_mask, is_causal, scale, enable_gqa, *, precision):
     key, value, _ = _grouped(query, key, value, enable_gqa)
-    if flash_attention.applies(query, key, value, attn_mask):
-        return flash_attention.forward(query, key, value, is_causal, scale)
+    kernel = _fused(query, key, value, attn_mask, is_causal)
+    if kernel is not None:
+        return kernel.forward(query, key, value, is_causal, scale)
     weights = _weights(query, key, attn_mask, is_causal, scale, precision)
     return _product(weights, value, "...ls,...sd->...ld", precision, value.dtype).astype(
         query.dtype
@@ -139,8 +149,9 @@ def _attention_backward(
     of)."""
     dtype = query.dtype
     grouped_key, grouped_value, repeats = _grouped(query, key, value, enable_gqa)
-    if flash_attention.applies(query, grouped_key, grouped_value, attn_mask):
-        grad_query, grad_key, grad_value = flash_attention.backward(
+    kernel = _fused(query, grouped_key, grouped_value, attn_mask, is_causal)
+    if kernel is not None:
+        grad_query, grad_key, grad_value = kernel.backward(
             grad_out, query, grouped_key, grouped_value, is_causal, scale
         )
     else:

@@ -105,6 +105,7 @@ class Policy(NamedTuple):
     host_ops: dict = {}
     prng_impl: str | None = None
     flash_attention: bool = False  # JAX's Pallas flash kernels run here (ops/flash_attention.py)
+    cudnn_attention: bool = False  # cuDNN's through JAX (ops/cudnn_attention.py)
 
 
 # Note [Random bits on TPU]
@@ -126,7 +127,7 @@ POLICIES = {
         prng_impl="rbg",
         flash_attention=True,
     ),
-    "gpu": Policy(frozenset(), (EIG,)),
+    "gpu": Policy(frozenset(), (EIG,), cudnn_attention=True),
 }
 _NONE = Policy(frozenset(), ())
 
@@ -159,6 +160,11 @@ def prng_impl() -> str | None:
 def flash_attention() -> bool:
     """Whether scaled_dot_product_attention may run JAX's Pallas flash kernels here."""
     return _current().flash_attention
+
+
+def cudnn_attention() -> bool:
+    """Whether scaled_dot_product_attention may run cuDNN's fused kernel here."""
+    return _current().cudnn_attention
 
 
 def host_dtypes() -> frozenset:
