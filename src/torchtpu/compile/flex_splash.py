@@ -35,7 +35,7 @@ from torchtpu.ops import flash_attention
 from torchtpu.ops.splash_attention import flex_splash_backward_op, flex_splash_op
 from torchtpu.runtime import platform, policy
 
-# The smallest block the kernel takes on either axis, and the head sizes it is given.
+# The smallest block the kernel takes on either axis (a TPU lane's width).
 BLOCK = 128
 
 
@@ -84,10 +84,9 @@ def why_not(query, key, value, score_mod, block_mask, kernel_options, grad_lse=N
         return "a gradient through the log-sum-exp"
     if any(t.dtype != torch.bfloat16 for t in (query, key, value)):
         return "not bfloat16"
-    if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
-        return "not [batch, heads, length, head size]"
-    if not query.size(-1) == key.size(-1) == value.size(-1):
-        return "value's head size differs"
+    layout = flash_attention.layout_problem(query, key, value)
+    if layout is not None:
+        return layout
     if query.size(-1) not in flash_attention.HEAD_SIZES:
         sizes = " or ".join(map(str, flash_attention.HEAD_SIZES))
         return f"a head size other than {sizes}"

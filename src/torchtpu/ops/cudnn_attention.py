@@ -24,6 +24,7 @@ import jax.numpy as jnp
 
 from torchtpu import config
 from torchtpu.observe import metrics
+from torchtpu.ops.flash_attention import layout_problem
 from torchtpu.runtime import platform, policy
 
 # jax.nn.dot_product_attention's implementation; the tests set None (JAX's choice).
@@ -47,10 +48,9 @@ def _why_not(query, key, value, attn_mask, is_causal) -> str | None:
         return "not bfloat16 or float16"
     if attn_mask is not None:
         return "an attn_mask"
-    if query.ndim != 4 or key.ndim != 4 or value.ndim != 4:
-        return "not [batch, heads, length, head size]"
-    if not query.shape[-1] == key.shape[-1] == value.shape[-1]:
-        return "value's head size differs"
+    layout = layout_problem(query, key, value)
+    if layout is not None:
+        return layout
     if query.shape[-1] % 8 or query.shape[-1] > 128:
         return "a head size not a multiple of 8 up to 128"
     if is_causal and query.shape[-2] != key.shape[-2]:

@@ -57,6 +57,16 @@ def applies(query, key, value, attn_mask) -> bool:
     return reason is None
 
 
+def layout_problem(query, key, value) -> str | None:
+    """Why q, k and v (arrays or tensors) are not [batch, heads, length, head size] with
+    one head size, as the fused kernels take them; None where they are."""
+    if query.ndim != 4 or key.ndim != 4 or value.ndim != 4:
+        return "not [batch, heads, length, head size]"
+    if not query.shape[-1] == key.shape[-1] == value.shape[-1]:
+        return "value's head size differs"
+    return None
+
+
 def _why_not(query, key, value, attn_mask) -> str | None:
     if config.flash_attention == "off":
         return "config.flash_attention is 'off'"
@@ -66,10 +76,9 @@ def _why_not(query, key, value, attn_mask) -> str | None:
         return "not bfloat16"
     if attn_mask is not None:
         return "an attn_mask"
-    if query.ndim != 4 or key.ndim != 4 or value.ndim != 4:
-        return "not [batch, heads, length, head size]"
-    if not query.shape[-1] == key.shape[-1] == value.shape[-1]:
-        return "value's head size differs"
+    layout = layout_problem(query, key, value)
+    if layout is not None:
+        return layout
     if query.shape[-1] not in HEAD_SIZES:
         return f"a head size other than {' or '.join(map(str, HEAD_SIZES))}"
     if query.shape[-2] % BLOCKS[-1] or key.shape[-2] % BLOCKS[-1]:
