@@ -43,6 +43,7 @@ from torchtpu.compile import flex_loop, flex_splash
 from torchtpu.compile.program import tensor_of
 from torchtpu.dispatch.values import materialize
 from torchtpu.observe import metrics
+from torchtpu.ops import flash_attention
 
 _hop = importlib.import_module("torch._higher_order_ops.flex_attention")
 
@@ -94,7 +95,7 @@ def _splash_blocks(
     of the forward's lists and, for the backward, of the transposed ones; else None."""
     if tracing.active() is not None or _why_dense_anyway(block_mask[-2], key.size(2)):
         return None
-    if not flex_splash.offered():
+    if not flash_attention.offered():
         return None
     reason = flex_splash.why_not(query, key, value, score_mod, block_mask, kernel_options, grad_lse)
     most = most_t = None

@@ -29,11 +29,9 @@ import weakref
 import torch
 from torch._dynamo._trace_wrapped_higher_order_op import TransformGetItemToIndex
 
-from torchtpu import config
 from torchtpu.observe import metrics
 from torchtpu.ops import flash_attention
 from torchtpu.ops.splash_attention import flex_splash_backward_op, flex_splash_op
-from torchtpu.runtime import platform, policy
 
 # The smallest block the kernel takes on either axis (a TPU lane's width).
 BLOCK = 128
@@ -44,13 +42,6 @@ BLOCK = 128
 # core has 1 MiB of it (jax's tpu_info); half, for the kernels' own scalars. Larger lists
 # (a causal mask over 8k keys with 32 heads and batch: 133k slots) keep the block path.
 SCALAR_MEMORY_BUDGET = 512 * 1024
-
-
-def offered() -> bool:
-    """Whether the kernel is offered here at all (config.flash_attention, the platform)."""
-    if config.flash_attention == "off":
-        return False
-    return config.flash_attention == "on" or (policy.flash_attention() and platform() == "tpu")
 
 
 def too_large(query, block_mask, most, most_t=None) -> str | None:

@@ -67,10 +67,18 @@ def layout_problem(query, key, value) -> str | None:
     return None
 
 
+def offered() -> bool:
+    """Whether JAX's Pallas kernels are offered here (``config.flash_attention``, the
+    platform): the flash kernels for SDPA, the splash kernel for FlexAttention."""
+    if config.flash_attention == "off":
+        return False
+    return config.flash_attention == "on" or (policy.flash_attention() and platform() == "tpu")
+
+
 def _why_not(query, key, value, attn_mask) -> str | None:
     if config.flash_attention == "off":
         return "config.flash_attention is 'off'"
-    if config.flash_attention != "on" and not (policy.flash_attention() and platform() == "tpu"):
+    if not offered():
         return "no Pallas flash kernel on this platform"
     if any(t.dtype != jnp.bfloat16 for t in (query, key, value)):
         return "not bfloat16"
