@@ -917,6 +917,9 @@ def test_a_small_read_with_a_check_pending_keeps_its_dtype(dtype):
     picked = x[index.to("tpu")]
     assert torch.equal(picked.cpu(), cpu[index])
     assert picked[0].item() == cpu[index][0].item()
+    # A 0-d value (a loss) keeps its shape: bfloat16's and float8's bits once came back 1-d.
+    scalar = x[index.to("tpu")][1].clone().cpu()
+    assert scalar.shape == () and torch.equal(scalar, cpu[index][1])
     with pytest.raises(IndexError):
         x[torch.tensor([8], device="tpu")].cpu()
 

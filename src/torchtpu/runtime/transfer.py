@@ -71,7 +71,8 @@ def reads_with_checks(array) -> bool:
 def from_numpy(value: np.ndarray) -> torch.Tensor:
     """A CPU tensor of a value `read_all` returned (a copy: NumPy's may be read-only)."""
     if value.dtype.isbuiltin == 2:  # ml_dtypes' bfloat16, float8_*: torch reads their bits
-        bits = np.ascontiguousarray(value).view(f"u{value.dtype.itemsize}")
+        # (np.require, not np.ascontiguousarray: that makes a 0-d value 1-d.)
+        bits = np.require(value, requirements="C").view(f"u{value.dtype.itemsize}")
         return torch.from_numpy(bits.copy()).view(dtypes.to_torch(value.dtype))
     return torch.from_numpy(np.array(value, copy=True))
 
