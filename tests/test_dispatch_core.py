@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import torchtpu
-from conftest import assert_same
+from conftest import assert_same, tpu
 from torchtpu.dispatch import core, defer, plans
 from torchtpu.ops import TABLE
 
@@ -218,6 +218,19 @@ def test_single_op_programs_compile_with_the_op_compiler_options(monkeypatch):
     with pytest.raises(Exception, match="no_such_option"):
         x.add_(0.75)  # donates x's buffer: its own program
     assert_same(x, torch.ones(7, 13))
+
+
+def test_single_ops_with_large_products_keep_xlas_default_effort(monkeypatch):
+    """Note [Single ops with products compile at XLA's default effort]: a large matrix
+    product's program is compiled without config.op_compiler_options (an option XLA
+    does not know would fail its compile); a small product's and an elementwise op's
+    with them."""
+    large, small = torch.randn(1025, 1024), torch.randn(1024, 3)  # 2**20 + 1024 elements
+    monkeypatch.setattr(torchtpu.config, "op_compiler_options", {"no_such_option": 1})
+    assert_same(tpu(large) @ tpu(small), large @ small, rtol=1e-4, atol=1e-4)
+    for small_op in (lambda: tpu(large[:5]) @ tpu(small[:, :2]), lambda: tpu(large) * 1.75):
+        with pytest.raises(Exception, match="no_such_option"):
+            small_op()  # shapes no other test compiles
 
 
 def test_an_array_held_elsewhere_is_never_donated():

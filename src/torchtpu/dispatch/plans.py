@@ -288,7 +288,9 @@ def _donating(plan: Plan, donated: tuple, args: list, device: int):
     call = variants.get((donated, device))
     if call is None:
         call = variants[donated, device] = (
-            eager_program(plan.fn, device, donated) if donated else plan.placed(device)
+            eager_program(plan.fn, device, donated, plan.options)
+            if donated
+            else plan.placed(device)
         )
         if plan.compiled:  # not the plan's first program: counted here
             start, where = time.perf_counter(), user_frame()
