@@ -105,7 +105,7 @@ def test_a_step_longer_than_the_queue_compiles_nothing_after_step_two(monkeypatc
     with a flush too: each step starts its queue where the last did, the cuts fall on
     the same ops, and the chunks repeat. (Without the step-end flush the cuts drifted
     through the step and new phases compiled for several steps.)"""
-    monkeypatch.setattr(torchtpu.config, "defer_max_ops", 64)
+    monkeypatch.setattr(torchtpu.config, "defer_max_ops", 32)
     torch.manual_seed(0)
     blocks = [m for _ in range(layers) for m in (nn.Linear(8, 8), nn.LayerNorm(8), nn.GELU())]
     model = nn.Sequential(*blocks).to("tpu")

@@ -39,6 +39,10 @@ FLOAT32 = (
 
 _library = None
 
+# Ops that make their casts inside one op of their own (device.py fills it: ``linear``,
+# ops/linear.py), called as ``fn(dtype, *args, **kwargs)``; None takes the casts.
+casts_inside: dict = {}
+
 
 def _cast(value, dtype: torch.dtype):
     if isinstance(value, torch.Tensor):
@@ -54,12 +58,17 @@ def _cast(value, dtype: torch.dtype):
     return value
 
 
-def _kernel(op, target):
+def _kernel(op, target, name):
     def kernel(*args, **kwargs):
         dtype = torch.get_autocast_dtype("tpu") if target is None else target
         with torch._C._ExcludeDispatchKeyGuard(
             torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastPrivateUse1)
         ):
+            inside = casts_inside.get(name)
+            if inside is not None:
+                out = inside(dtype, *args, **kwargs)
+                if out is not None:
+                    return out
             return op(*_cast(args, dtype), **{k: _cast(v, dtype) for k, v in kwargs.items()})
 
     return kernel
@@ -77,5 +86,5 @@ def register() -> None:
         for name in names:
             packet, _, overload = name.partition(".")
             op = getattr(getattr(torch.ops.aten, packet), overload or "default")
-            library.impl(name, _kernel(op, target), _KEY)
+            library.impl(name, _kernel(op, target, name), _KEY)
     _library = (fallback, library)

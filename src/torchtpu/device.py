@@ -521,6 +521,92 @@ def _fits_attention_op(query, key, value, attn_mask, dropout_p, enable_gqa) -> b
     return True
 
 
+_LINEAR_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _fused_linear(input, weight, bias, dtype):
+    """``linear`` as ops/linear.py's one op forward and one backward, with the inputs
+    cast to ``dtype`` inside it (autocast's dtype; None: no casts), or None where the
+    call takes torch's composite: tensors other than eager tpu tensors (torch.compile's
+    traced wrappers, whose graph XLA fuses anyway; DTensor, functorch's wrappers),
+    forward-mode AD, dtypes other than 16- and 32-bit floats, mixed dtypes without
+    autocast, and shapes the composite would refuse or broadcast (its error then)."""
+    from torchtpu.ops.linear import Linear
+    from torchtpu.tensor import TPUTensor
+
+    tensors = (input, weight) if bias is None else (input, weight, bias)
+    if not all(
+        isinstance(t, TPUTensor) and t._inner is None and t.dtype in _LINEAR_DTYPES
+        for t in tensors
+    ):
+        return None
+    if dtype is None and any(t.dtype != input.dtype for t in tensors):
+        return None
+    if weight.dim() != 2 or input.dim() == 0 or input.shape[-1] != weight.shape[1]:
+        return None
+    if bias is not None and tuple(bias.shape) != tuple(weight.shape[:1]):
+        return None
+    if torch.autograd.forward_ad._current_level >= 0:  # dual tensors may be about
+        return None
+    # The backward needs the input as the product saw it: kept by the forward when it
+    # casts the input and a weight gradient will be asked for.
+    keep_input = (
+        dtype is not None
+        and input.dtype != dtype
+        and weight.requires_grad
+        and torch.is_grad_enabled()
+    )
+    out, _kept = Linear.apply(input, weight, bias, dtype, keep_input)
+    return out
+
+
+def _autocast_linear(dtype, input, weight, bias=None):
+    """``F.linear`` under autocast on tpu: its casts inside the op (or None)."""
+    return _fused_linear(input, weight, bias, dtype)
+
+
+def _linear(input, weight, bias=None):
+    """``F.linear`` on tpu: one op forward and one backward (ops/linear.py), else
+    torch's composite."""
+    out = _fused_linear(input, weight, bias, None)
+    if out is None:
+        return torch.ops.aten.linear.default.decompose(input, weight, bias)
+    return out
+
+
+def _cross_entropy_loss(
+    input, target, weight=None, reduction=1, ignore_index=-100, label_smoothing=0.0
+):
+    """``F.cross_entropy`` on tpu: for [N, C] logits and [N] class indices, one op
+    forward and one backward (ops/cross_entropy.py), else torch's composite, as for
+    `_fused_linear`'s refusals (and its errors for bad calls)."""
+    from torchtpu.ops.cross_entropy import CrossEntropy
+    from torchtpu.tensor import TPUTensor
+
+    tensors = (input, target) if weight is None else (input, target, weight)
+    fused = (
+        all(isinstance(t, TPUTensor) and t._inner is None for t in tensors)
+        and input.dtype in _LINEAR_DTYPES
+        and input.dim() == 2
+        and target.dtype == torch.int64
+        and tuple(target.shape) == tuple(input.shape[:1])
+        and (weight is None or (weight.dtype == input.dtype and tuple(weight.shape) == tuple(input.shape[1:])))
+        and reduction in (0, 1, 2)
+        and 0.0 <= label_smoothing <= 1.0
+        and torch.autograd.forward_ad._current_level < 0
+    )
+    if not fused:
+        return torch.ops.aten.cross_entropy_loss.default.decompose(
+            input, target, weight, reduction, ignore_index, label_smoothing
+        )
+    # Under autocast torch's composite computes in float32 (log_softmax and nll_loss
+    # are on its float32 list): so does the op, for 16-bit logits.
+    dtype = None
+    if input.dtype != torch.float32 and torch.is_autocast_enabled("tpu"):
+        dtype = torch.float32
+    return CrossEntropy.apply(input, target, weight, reduction, ignore_index, label_smoothing, dtype)
+
+
 def _scaled_dot_product_attention(
     query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False
 ):
@@ -641,6 +727,8 @@ def register() -> None:
     _library.impl(
         "scaled_dot_product_attention", _scaled_dot_product_attention, "AutogradPrivateUse1"
     )
+    _library.impl("linear", _linear, "AutogradPrivateUse1")
+    _library.impl("cross_entropy_loss", _cross_entropy_loss, "AutogradPrivateUse1")
     for name in _QUANTIZED_ALLOCATIONS:
         _library.impl(name, _quantized_allocation, "QuantizedPrivateUse1")
     for name in _FACTORIES:
@@ -659,6 +747,7 @@ def register() -> None:
     _use_foreach_kernels()
     memory.route_accelerator_functions()
     autocast.register()
+    autocast.casts_inside["linear"] = _autocast_linear
     distributed.register()
     # torch.compile(model) with its default backend compiles tpu graphs as backend="tpu".
     _compat.inductor_hands_graphs_on("tpu", _tpu_backend)

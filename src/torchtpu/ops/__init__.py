@@ -10,6 +10,7 @@ _configure_jax()
 
 from torchtpu.ops import (  # noqa: E402, F401  (each module registers its lowerings)
     attention,
+    cross_entropy,
     elementwise,
     factories,
     fft,
@@ -18,6 +19,7 @@ from torchtpu.ops import (  # noqa: E402, F401  (each module registers its lower
     ldl,
     linalg,
     linalg_solvers,
+    linear,
     losses,
     misc,
     nn,

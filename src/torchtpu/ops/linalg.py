@@ -13,10 +13,13 @@ _LOW_FLOATS = (jnp.float16, jnp.bfloat16)
 
 def _matmul(a, b, precision):
     # 16-bit floats accumulate in float32, as torch's CPU kernels do.
+    return _accumulated(a, b, precision).astype(a.dtype)
+
+
+def _accumulated(a, b, precision):
+    """``a @ b`` as accumulated: float32 for 16-bit floats, before their one rounding."""
     if a.dtype in _LOW_FLOATS:
-        return jnp.matmul(a, b, precision=precision, preferred_element_type=jnp.float32).astype(
-            a.dtype
-        )
+        return jnp.matmul(a, b, precision=precision, preferred_element_type=jnp.float32)
     return jnp.matmul(a, b, precision=precision)
 
 
@@ -58,7 +61,12 @@ def vdot(self, other, *, precision):
 
 @lowers(aten.addmm.default, aten.addmv.default, precision=True)
 def addmm(self, mat1, mat2, beta=1, alpha=1, *, precision):
-    return _plus_scaled(_matmul(mat1, mat2, precision), self, beta, alpha, blas_alpha=True)
+    # For 16-bit floats, the sum is made before the one rounding, as the CPU's and
+    # cuBLAS's kernels do (rounding the product first loses the bias's digits where
+    # the two nearly cancel).
+    product = _accumulated(mat1, mat2, precision)
+    out = _plus_scaled(product, self.astype(product.dtype), beta, alpha, blas_alpha=True)
+    return out.astype(mat1.dtype)
 
 
 @lowers(aten.baddbmm.default, precision=True)

@@ -79,7 +79,7 @@ def nll_loss_backward(grad_output, self, target, weight, reduction, ignore_index
 _REDUCTIONS = {"none": _NONE, "mean": _MEAN, "sum": _SUM}
 
 
-def _cross_entropy(logits, target, weight, reduction, ignore_index, label_smoothing):
+def class_index_cross_entropy(logits, target, weight, reduction, ignore_index, label_smoothing):
     """torch's cross_entropy of (N, C) logits and class-index targets."""
     log_probs = jax.nn.log_softmax(logits, axis=1)
     nll = _nll_forward(log_probs, target, weight, reduction, ignore_index)[0]
@@ -110,7 +110,9 @@ def _linear_cross_entropy_fn(
         logits = jnp.matmul(x.astype(work), w.astype(work).T, precision=precision)
         if b is not None:
             logits = logits + b.astype(work)
-        return _cross_entropy(logits, target, weight, reduction, ignore_index, label_smoothing)
+        return class_index_cross_entropy(
+            logits, target, weight, reduction, ignore_index, label_smoothing
+        )
 
     return loss
 
