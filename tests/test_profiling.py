@@ -48,7 +48,7 @@ def test_the_trace_names_ops_with_the_users_line(tmp_path, mode):
     names = [e["name"] for e in events]
     here = f"{__file__}:{line} in test_the_trace_names_ops_with_the_users_line"
     assert f"aten.tanh.default ({here})" in names
-    assert f"aten.addmm.default ({here})" in names
+    assert f"torchtpu_nn.linear.default ({here})" in names  # nn.Linear: ops/linear.py
     assert "aten.tanh_backward.default (backward of TanhBackward0)" in names
     with open(prof.xplane_file, "rb") as f:
         xplane = f.read()
@@ -58,14 +58,14 @@ def test_the_trace_names_ops_with_the_users_line(tmp_path, mode):
         assert chunks and f"(sync at {__file__}:" in chunks[-1]["name"]
         assert chunks[0]["args"]["compiled"] in ("yes", "no")
         queued = {e["name"]: e.get("args", {}).get("queued") for e in events}
-        position = queued[f"aten.addmm.default ({here})"]  # where it is in the chunk
+        position = queued[f"torchtpu_nn.linear.default ({here})"]  # where it is in the chunk
         assert position.startswith("op")
         # On the device, the chunk's instructions carry the op and that position.
-        assert f"jit(chunk)/{position}/aten.addmm.default/".encode() in xplane
+        assert f"jit(chunk)/{position}/torchtpu_nn.linear.default/".encode() in xplane
     else:
         # Each op's program is named for it (XLA:CPU's trace events say so in an
         # "hlo_module" argument; a TPU's device plane names its modules in the xplane).
-        assert b"jit_aten.addmm.default" in xplane and b"jit_aten.tanh.default" in xplane
+        assert b"jit_torchtpu_nn.linear.default" in xplane and b"jit_aten.tanh.default" in xplane
         assert b"jit(aten.tanh.default)/aten.tanh.default/" in xplane
 
 
@@ -113,7 +113,8 @@ def test_compiled_code_stays_compiled_inside_the_block(tmp_path):
     assert_same(out.detach(), cpu_model(x).detach())
     assert "compiles" not in torchtpu.metrics()
     names = [e["name"] for e in _events(prof)]
-    assert not any(n.startswith("aten.addmm.default") for n in names)  # not run op by op
+    op_by_op = ("aten.addmm.default", "torchtpu_nn.linear.default")
+    assert not any(n.startswith(op_by_op) for n in names)  # not run op by op
     assert any(n.startswith("PjitFunction(") for n in names)
 
 
