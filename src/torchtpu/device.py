@@ -521,7 +521,8 @@ def _fits_attention_op(query, key, value, attn_mask, dropout_p, enable_gqa) -> b
     return True
 
 
-_LINEAR_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# The dtypes linear and cross_entropy run as ops of their own (ops/linear.py, cross_entropy.py).
+_FUSED_OP_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _fused_linear(input, weight, bias, dtype):
@@ -536,7 +537,7 @@ def _fused_linear(input, weight, bias, dtype):
 
     tensors = (input, weight) if bias is None else (input, weight, bias)
     if not all(
-        isinstance(t, TPUTensor) and t._inner is None and t.dtype in _LINEAR_DTYPES
+        isinstance(t, TPUTensor) and t._inner is None and t.dtype in _FUSED_OP_DTYPES
         for t in tensors
     ):
         return None
@@ -586,7 +587,7 @@ def _cross_entropy_loss(
     tensors = (input, target) if weight is None else (input, target, weight)
     fused = (
         all(isinstance(t, TPUTensor) and t._inner is None for t in tensors)
-        and input.dtype in _LINEAR_DTYPES
+        and input.dtype in _FUSED_OP_DTYPES
         and input.dim() == 2
         and target.dtype == torch.int64
         and tuple(target.shape) == tuple(input.shape[:1])
