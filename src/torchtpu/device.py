@@ -547,7 +547,7 @@ def _fused_linear(input, weight, bias, dtype):
         return None
     if bias is not None and tuple(bias.shape) != tuple(weight.shape[:1]):
         return None
-    if torch.autograd.forward_ad._current_level >= 0:  # dual tensors may be about
+    if torch.autograd.forward_ad._current_level >= 0:  # forward AD: the op has no jvp
         return None
     # The backward needs the input as the product saw it: kept by the forward when it
     # casts the input and a weight gradient will be asked for.
