@@ -39,13 +39,12 @@ Note [Lowering results in Debug mode]
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch._prims_common import elementwise_dtypes
 
-from torchtpu import config, dtypes, rng
+from torchtpu import dtypes, rng
 from torchtpu import matmul_precision as _precision
+from torchtpu.dispatch import effort
 from torchtpu.dispatch import meta as oracle
 from torchtpu.dispatch.defer import new_uid
 from torchtpu.dispatch.pending import Pending
@@ -124,41 +123,10 @@ class Plan:
 def eager_program(fn, device: int, donated: tuple = (), options: dict | None = None):
     """An op's function jitted to run eagerly on ``tpu:device``: its outputs committed
     there (Note [Every array is committed to its device]), the arguments at ``donated``
-    given to XLA for its outputs, compiled with ``options`` (`_options`)."""
+    given to XLA for its outputs, compiled with ``options`` (effort.py ``single_op_options``)."""
     return jax().jit(
         fn, donate_argnums=donated, out_shardings=sharding(device), compiler_options=options
     )
-
-
-# Note [Single ops with products compile at XLA's default effort]: how many elements
-# the largest array of a product's call has, at least, for its program to be compiled
-# at XLA's default effort (2**20: a GPT-2-small step's products all have more; the
-# README demo MLP's, at most 512 x 1024 weights, have fewer).
-LARGE_PRODUCT = 1 << 20
-
-
-def _options(lowering, call, outputs) -> dict | None:
-    """The compiler options of an op's eager program.
-
-    Note [Single ops with products compile at XLA's default effort]
-        Strict's single-op programs compile with ``config.op_compiler_options``, XLA's
-        least execution-time effort: one op leaves XLA little to optimise, and
-        compiling is most of an eager first step (docs/performance.md). Not so for a
-        large product. On a TPU v5e, a GPT-2-small step (8x1024 tokens, autocast) in
-        Strict kept the chip busy 229 ms a step with its products compiled at the
-        least effort (``linear`` forward 41 ms, backward 60 ms, attention's backward
-        41 ms) and 150 ms at XLA's default effort (13, 26 and 33 ms): the step went
-        from 229 to 168 ms, the chip having decided it. Compiling those programs well
-        cost the first step ~15 s more (41 s). So an op whose lowering takes a matmul
-        precision -- a matrix product, a convolution, attention -- keeps XLA's defaults
-        where one of its arrays has at least `LARGE_PRODUCT` elements; a small
-        product, whose run is a launch whatever its code, and every other op compile
-        with the options."""
-    if lowering.precision:
-        sizes = [s.shape for s in call.storages] + [o.shape for o in outputs if o is not None]
-        if any(math.prod(shape) >= LARGE_PRODUCT for shape in sizes):
-            return None
-    return config.op_compiler_options or None
 
 
 def build(op, lowering, info_: SchemaInfo, rules, values: list, call: Call) -> Plan:
@@ -365,7 +333,8 @@ def build(op, lowering, info_: SchemaInfo, rules, values: list, call: Call) -> P
     plan.uid = new_uid()
     plan.traced = False
     plan.traceable = jax().jit(plan.fn)  # in a compiled program, and on the host
-    plan.options = _options(lowering, call, outputs)  # Note [Single ops with products ...]
+    shapes = [st.shape for st in call.storages] + [o.shape for o in outputs if o is not None]
+    plan.options = effort.single_op_options(lowering, shapes)
     plan.placed_calls = {}  # Plan.placed: its eager programs by device
     plan.call = plan.placed(0)  # eager, on tpu:0 (Note [Every array is committed to its device])
     plan.donating = {}  # plans.py _donating: its programs by (donated positions, device)

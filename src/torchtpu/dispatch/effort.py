@@ -11,11 +11,13 @@ Note [The least effort for programs without products]
     DeferAndFuse chunk or a torch.compile graph whose every op is pointwise, a
     ``_foreach_`` op (a list's norms too), a factory, a cast, a view or ``getitem``
     compiles with those options; any other op (a product, a reduction, an op of
-    torchtpu's own) keeps XLA's defaults.
+    torchtpu's own) keeps XLA's defaults. Strict's single-op programs: below
+    (`single_op_options`).
 """
 
 from __future__ import annotations
 
+import math
 import operator
 
 import torch
@@ -50,3 +52,32 @@ def compiler_options(ops) -> dict | None:
     if not options or not all(_light(op) for op in ops):
         return None
     return options
+
+
+# Note [Single ops with products compile at XLA's default effort]: how many elements
+# the largest array of a product's call has, at least, for its program to be compiled
+# at XLA's default effort (2**20: a GPT-2-small step's products all have more; the
+# README demo MLP's, at most 512 x 1024 weights, have fewer).
+LARGE_PRODUCT = 1 << 20
+
+
+def single_op_options(lowering, shapes) -> dict | None:
+    """The compiler options of an op's eager program, ``shapes`` those of its arrays.
+
+    Note [Single ops with products compile at XLA's default effort]
+        Strict's single-op programs compile with ``config.op_compiler_options``, XLA's
+        least execution-time effort: one op leaves XLA little to optimise, and
+        compiling is most of an eager first step (docs/performance.md). Not so for a
+        large product. On a TPU v5e, a GPT-2-small step (8x1024 tokens, autocast) in
+        Strict kept the chip busy 229 ms a step with its products compiled at the
+        least effort (``linear`` forward 41 ms, backward 60 ms, attention's backward
+        41 ms) and 150 ms at XLA's default effort (13, 26 and 33 ms): the step went
+        from 229 to 168 ms, the chip having decided it. Compiling those programs well
+        cost the first step ~15 s more (41 s). So an op whose lowering takes a matmul
+        precision -- a matrix product, a convolution, attention -- keeps XLA's defaults
+        where one of its arrays has at least `LARGE_PRODUCT` elements; a small
+        product, whose run is a launch whatever its code, and every other op compile
+        with the options."""
+    if lowering.precision and any(math.prod(shape) >= LARGE_PRODUCT for shape in shapes):
+        return None
+    return config.op_compiler_options or None
