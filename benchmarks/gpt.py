@@ -7,7 +7,8 @@
 
 The model (nanoGPT's shape, issue #40): token and position embeddings, pre-norm blocks
 of causal ``scaled_dot_product_attention`` and a GELU MLP (benchmarks/eager_modes.py's
-block), an untied head, AdamW, every step reading its loss. ``--dtype``: parameters
+block), an untied head, AdamW (torch's default, its ``_foreach_`` ops; ``--fused-adamw``:
+``fused=True``, one op a step), every step reading its loss. ``--dtype``: parameters
 in ``bfloat16`` (the default), or ``float32``, or ``autocast``: float32 parameters and
 the forward under ``torch.autocast("tpu", dtype=torch.bfloat16)``, the torch idiom
 (the JAX row then casts as autocast does: products in bfloat16, norms, softmax and the
@@ -95,7 +96,7 @@ def _tokens(args) -> torch.Tensor:
 def torch_step(args, how: str):
     """A step function returning the loss as a float, on tpu."""
     model = _model(args).to("tpu")
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=args.fused_adamw or None)
     tokens = _tokens(args).to("tpu")
     vocab = args.vocab
 
@@ -294,6 +295,9 @@ def main():
     parser.add_argument("--tokens", default="8x1024", help="batch x sequence length")
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32", "autocast"))
     parser.add_argument("--tiny", action="store_true", help="2 layers, d 64, 4x64 tokens")
+    parser.add_argument(
+        "--fused-adamw", action="store_true", help="AdamW(fused=True): one op a step"
+    )
     parser.add_argument("--only", default=",".join(PATHS))
     parser.add_argument("--steps", type=int, default=5, help="steps per timed run")
     parser.add_argument("--repeat", type=int, default=3, help="timed runs (median)")
@@ -315,7 +319,8 @@ def main():
     flops = flops_per_step(args)
     print(
         f"\n`{quiet.command()}`: GPT {args.layers} layers, d {args.d}, {args.heads} heads, "
-        f"vocab {args.vocab}, {args.batch}x{args.seq} tokens, {args.dtype}, AdamW; "
+        f"vocab {args.vocab}, {args.batch}x{args.seq} tokens, {args.dtype}, "
+        f"{'AdamW(fused=True)' if args.fused_adamw else 'AdamW'}; "
         f"{flops / 1e12:.2f} TFLOP a step\n"
     )
     print(

@@ -210,9 +210,10 @@ def test_fused_adam_matches_cpu(optimizer, amsgrad, mode):
     _assert_steps_like_cpu(initial, grads, make_opt, mode)
 
 
-def _assert_steps_like_cpu(initial, grads, make_opt, mode="strict"):
+def _assert_steps_like_cpu(initial, grads, make_opt, mode="strict", tolerance=None):
     """Step copies of ``initial`` with ``grads`` on the CPU and (in ``mode``) on tpu, with
-    ``make_opt(params, device)``: the parameters end equal, with no CPU fallback."""
+    ``make_opt(params, device)``: the parameters end equal (within ``tolerance``, 1e-5
+    relative by default), with no CPU fallback."""
     results = []
     for device in ("cpu", "tpu"):
         params = [p.clone().to(device).requires_grad_() for p in initial]
@@ -226,7 +227,8 @@ def _assert_steps_like_cpu(initial, grads, make_opt, mode="strict"):
         results.append([p.detach().cpu() for p in params])
     assert "fallback" not in torchtpu.metrics()
     for ours, cpus in zip(results[1], results[0]):
-        torch.testing.assert_close(ours, cpus, rtol=1e-5, atol=1e-6)
+        close = dict(rtol=1e-5, atol=1e-6) if tolerance is None else tolerance
+        torch.testing.assert_close(ours, cpus, **close)
 
 
 @pytest.mark.parametrize("found_inf", [0.0, 1.0])
@@ -251,6 +253,81 @@ def test_fused_adamw_with_a_grad_scale_as_the_cpu_kernel(found_inf):
         results.append([t.cpu() for t in written])
     for ours, cpus in zip(*results):
         torch.testing.assert_close(ours, cpus, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["strict", "defer"])
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(lr=0.1),
+        dict(lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.01),
+        dict(lr=torch.tensor(0.1), momentum=0.9, dampening=0.1, maximize=True),
+    ],
+    ids=["plain", "nesterov", "dampening"],
+)
+def test_fused_sgd_matches_cpu(options, mode):
+    torch.manual_seed(0)
+    initial = [torch.randn(3, 4), torch.randn(5)]
+    grads = [[torch.randn_like(p) for p in initial] for _ in range(3)]
+    _assert_steps_like_cpu(
+        initial, grads, lambda params, device: torch.optim.SGD(params, fused=True, **options), mode
+    )
+
+
+@pytest.mark.parametrize("found_inf", [0.0, 1.0])
+def test_fused_sgd_with_a_grad_scale_as_the_cpu_kernel(found_inf):
+    torch.manual_seed(0)
+    initial = [torch.randn(3, 4), torch.randn(5)]
+    results = []
+    for device in ("cpu", "tpu"):
+        params = [p.clone().to(device) for p in initial]
+        grads = [torch.full_like(p, 3.0) for p in params]
+        buffers = [torch.full_like(p, 0.5) for p in params]
+        torch._fused_sgd_(
+            params, grads, buffers, weight_decay=0.01, momentum=0.9, lr=0.1, dampening=0.0,
+            nesterov=False, maximize=False, is_first_step=False,
+            grad_scale=torch.tensor(2.0, device=device),
+            found_inf=torch.tensor(found_inf, device=device),
+        )  # fmt: skip
+        results.append([t.cpu() for t in params + grads + buffers])
+    for ours, cpus in zip(*results):
+        torch.testing.assert_close(ours, cpus, rtol=1e-5, atol=1e-6)
+
+
+def test_fused_adamw_of_bfloat16_parameters_matches_cpu():
+    """16-bit parameters update in float32 and are rounded once, as the CPU kernel does.
+    torch's bfloat16 tolerance: on a TPU v5e one element of 128 rounded to the next
+    bfloat16 after three steps (its float32 update differing in the last bits)."""
+    torch.manual_seed(0)
+    initial = [torch.randn(16, 8).bfloat16(), torch.randn(8).bfloat16()]
+    grads = [[torch.randn_like(p) for p in initial] for _ in range(3)]
+    _assert_steps_like_cpu(
+        initial,
+        grads,
+        lambda params, device: torch.optim.AdamW(params, lr=0.01, fused=True),
+        tolerance={},
+    )
+
+
+def test_a_fused_adamw_step_is_one_op_and_one_program():
+    """``fused=True``: a step over a model's parameters dispatches one op (besides the
+    optimizer's count of its steps), whose program compiles once; its moments are
+    updated in place."""
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)).to("tpu")
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01, fused=True)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()
+    moments = [opt.state[p]["exp_avg"] for p in model.parameters()]
+    torchtpu.reset_metrics()
+    opt.step()
+    counts = torchtpu.metrics()["ops"]
+    fused = torchtpu.metrics()["op_cache"]
+    assert all(opt.state[p]["exp_avg"] is m for p, m in zip(model.parameters(), moments))
+    # The step counts are _foreach_add_'s (one op); the update is the other.
+    assert sum(counts.values()) == 2, counts
+    assert fused == {"hit": 2}, fused
+    torch.testing.assert_close(moments[0].cpu(), torch.full((16, 8), 0.19))
 
 
 # -- optimizers' default path on tpu: their _foreach_ kernels, as on CUDA -------------------

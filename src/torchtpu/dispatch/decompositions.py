@@ -5,9 +5,6 @@ fallback.
 - The fast paths `nn.MultiheadAttention` and `nn.TransformerEncoderLayer` take in eval
   mode without grad: every transformer's inference reaches them. Each follows the CPU
   kernel (aten/src/ATen/native/transformers) and is tested against it.
-- The fused Adam and AdamW steps (``fused=True``, the Hugging Face Trainer's default
-  optimizer): torch's own multi-tensor algorithm, in its capturable form (no value is
-  read on the host), as foreach ops, which DeferAndFuse fuses into the step's chunk.
 """
 
 from __future__ import annotations
@@ -114,59 +111,7 @@ def transformer_encoder_layer_fwd(
     return x
 
 
-def _fused_adam(decoupled_weight_decay: bool):
-    def fused_adam(
-        params,
-        grads,
-        exp_avgs,
-        exp_avg_sqs,
-        max_exp_avg_sqs,
-        state_steps,
-        *,
-        lr,
-        beta1,
-        beta2,
-        weight_decay,
-        eps,
-        amsgrad,
-        maximize,
-        grad_scale=None,
-        found_inf=None,
-    ):
-        """``_fused_adam(w)_``: the optimizer has counted this step already; a
-        ``grad_scale`` divides the gradients in place, and a ``found_inf`` of 1 (an AMP
-        step with an overflow) leaves every tensor as it was."""
-        from torch.optim.adam import _multi_tensor_adam
-
-        written = (params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs)
-        before = (
-            [[t.clone() for t in group] for group in written] if found_inf is not None else None
-        )
-        if grad_scale is not None:
-            torch._foreach_div_(grads, grad_scale)  # unscaled in place, as the CPU kernel does
-        torch._foreach_sub_(state_steps, 1)  # torch's algorithm counts the step itself
-        _multi_tensor_adam(
-            list(params), list(grads), list(exp_avgs), list(exp_avg_sqs),
-            list(max_exp_avg_sqs), list(state_steps), None, None,
-            amsgrad=amsgrad, has_complex=any(p.is_complex() for p in params),
-            beta1=beta1, beta2=beta2, lr=lr, weight_decay=weight_decay, eps=eps,
-            maximize=maximize, capturable=True, differentiable=False,
-            decoupled_weight_decay=decoupled_weight_decay,
-        )  # fmt: skip
-        if found_inf is not None:
-            skip = found_inf == 1
-            for group, old in zip(written, before):
-                for t, o in zip(group, old):
-                    t.copy_(torch.where(skip, o, t))
-
-    return fused_adam
-
-
 DECOMPOSITIONS = {
     aten._native_multi_head_attention.default: native_multi_head_attention,
     aten._transformer_encoder_layer_fwd.default: transformer_encoder_layer_fwd,
-    aten._fused_adam_.default: _fused_adam(False),
-    aten._fused_adam_.tensor_lr: _fused_adam(False),
-    aten._fused_adamw_.default: _fused_adam(True),
-    aten._fused_adamw_.tensor_lr: _fused_adam(True),
 }

@@ -23,6 +23,7 @@ from torchtpu.ops import (  # noqa: E402, F401  (each module registers its lower
     losses,
     misc,
     nn,
+    optimizers,
     random,
     reduction,
     shape,
