@@ -12,16 +12,18 @@ the four ops kept the chip busy ~21 ms a step (docs/performance.md). On tpu
 instead:
 
 - ``torchtpu_nn::cross_entropy``: the loss (losses.py ``class_index_cross_entropy``:
-  weights, ``ignore_index``, label smoothing and the three reductions as torch's), its
-  log-softmax made and reduced inside the program;
-- ``torchtpu_nn::cross_entropy_backward``: the logits' gradient, recomputed from the
-  logits (JAX's ``vjp`` of the same function, so forward and backward cannot
-  disagree).
+  weights, ``ignore_index``, label smoothing and the three reductions as torch's) and
+  each row's logsumexp, with no (N, C) array made (Note [Cross entropy without
+  log-probabilities] in losses.py);
+- ``torchtpu_nn::cross_entropy_backward``: the logits' gradient from the logits and
+  those logsumexps (JAX's ``vjp`` of the same function, so forward and backward
+  cannot disagree).
 
-Autograd saves the logits themselves. Under autocast, where torch's composite casts
-16-bit logits to float32 for ``log_softmax`` and ``nll_loss``, ``dtype`` (float32) is
-what the op computes in, and the gradient is cast back to the logits' dtype. A
-backward differentiated again (``create_graph=True``) runs torch's composite.
+Autograd saves the logits themselves and the [N] logsumexps. Under autocast, where
+torch's composite casts 16-bit logits to float32 for ``log_softmax`` and ``nll_loss``,
+``dtype`` (float32) is what the op computes in, and the gradient is cast back to the
+logits' dtype. A backward differentiated again (``create_graph=True``) runs torch's
+composite.
 """
 
 from __future__ import annotations
@@ -37,11 +39,12 @@ from torchtpu.ops.registry import lowers
 _library = torch.library.Library("torchtpu_nn", "FRAGMENT")
 _library.define(
     "cross_entropy(Tensor input, Tensor target, Tensor? weight, int reduction, "
-    "int ignore_index, float label_smoothing, ScalarType? dtype) -> Tensor"
+    "int ignore_index, float label_smoothing, ScalarType? dtype) -> (Tensor, Tensor)"
 )
 _library.define(
-    "cross_entropy_backward(Tensor grad_out, Tensor input, Tensor target, Tensor? weight, "
-    "int reduction, int ignore_index, float label_smoothing, ScalarType? dtype) -> Tensor"
+    "cross_entropy_backward(Tensor grad_out, Tensor input, Tensor logsumexp, Tensor target, "
+    "Tensor? weight, int reduction, int ignore_index, float label_smoothing, "
+    "ScalarType? dtype) -> Tensor"
 )
 cross_entropy_op = torch.ops.torchtpu_nn.cross_entropy.default
 cross_entropy_backward_op = torch.ops.torchtpu_nn.cross_entropy_backward.default
@@ -52,7 +55,9 @@ _OPTIONS = ("reduction", "ignore_index", "label_smoothing", "dtype")
 @torch.library.register_fake("torchtpu_nn::cross_entropy", lib=_library)
 def _cross_entropy_fake(input, target, weight, reduction, ignore_index, label_smoothing, dtype):
     shape = input.shape[:1] if reduction == 0 else ()
-    return input.new_empty(shape, dtype=dtype or input.dtype)
+    out = dtype or input.dtype
+    work = torch.promote_types(out, torch.float32)
+    return input.new_empty(shape, dtype=out), input.new_empty(input.shape[:1], dtype=work)
 
 
 @torch.library.register_fake("torchtpu_nn::cross_entropy_backward", lib=_library)
@@ -60,16 +65,18 @@ def _cross_entropy_backward_fake(grad_out, input, *options):
     return input.new_empty(input.shape)
 
 
-def _loss_fn(target, weight, reduction, ignore_index, label_smoothing, dtype):
-    """The loss as a function of the logits, computed in ``dtype`` where given."""
+def _loss_fn(target, weight, reduction, ignore_index, label_smoothing, dtype, logsumexp=None):
+    """The loss as a function of the logits, computed in ``dtype`` where given, with
+    the rows' ``logsumexp`` where the forward computed them."""
 
     def loss(logits):
         out = logits.dtype if dtype is None else dtypes.to_jax(dtype)
         work = jnp.promote_types(out, jnp.float32)  # 16-bit floats: float32 inside, once
         weights = None if weight is None else weight.astype(work)
         value = class_index_cross_entropy(
-            logits.astype(work), target, weights, reduction, ignore_index, label_smoothing
-        )
+            logits.astype(work), target, weights, reduction, ignore_index, label_smoothing,
+            logsumexp,
+        )  # fmt: skip
         return value.astype(out)
 
     return loss
@@ -77,14 +84,20 @@ def _loss_fn(target, weight, reduction, ignore_index, label_smoothing, dtype):
 
 @lowers(cross_entropy_op, static=_OPTIONS)
 def _cross_entropy(input, target, weight, reduction, ignore_index, label_smoothing, dtype):
-    return _loss_fn(target, weight, reduction, ignore_index, label_smoothing, dtype)(input)
+    """The loss, and the rows' logsumexp for the backward (Note [Cross entropy without
+    log-probabilities] in losses.py)."""
+    out = input.dtype if dtype is None else dtypes.to_jax(dtype)
+    logits = input.astype(jnp.promote_types(out, jnp.float32))
+    logsumexp = jax.nn.logsumexp(logits, axis=1)
+    loss = _loss_fn(target, weight, reduction, ignore_index, label_smoothing, dtype, logsumexp)
+    return loss(input), logsumexp
 
 
 @lowers(cross_entropy_backward_op, static=_OPTIONS)
 def _cross_entropy_backward(
-    grad_out, input, target, weight, reduction, ignore_index, label_smoothing, dtype
+    grad_out, input, logsumexp, target, weight, reduction, ignore_index, label_smoothing, dtype
 ):
-    loss = _loss_fn(target, weight, reduction, ignore_index, label_smoothing, dtype)
+    loss = _loss_fn(target, weight, reduction, ignore_index, label_smoothing, dtype, logsumexp)
     value, vjp = jax.vjp(loss, input)
     return vjp(grad_out.astype(value.dtype))[0]
 
@@ -94,13 +107,14 @@ class CrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, input, target, weight, reduction, ignore_index, label_smoothing, dtype):
-        ctx.save_for_backward(input, target, weight)
         ctx.options = (reduction, ignore_index, label_smoothing, dtype)
-        return cross_entropy_op(input, target, weight, *ctx.options)
+        loss, logsumexp = cross_entropy_op(input, target, weight, *ctx.options)
+        ctx.save_for_backward(input, logsumexp, target, weight)
+        return loss
 
     @staticmethod
     def backward(ctx, grad_out):
-        input, target, weight = ctx.saved_tensors
+        input, logsumexp, target, weight = ctx.saved_tensors
         if torch.is_grad_enabled():  # create_graph: torch's composite, differentiated
             reduction, ignore_index, label_smoothing, dtype = ctx.options
             logits = input if dtype is None else input.to(dtype)
@@ -109,5 +123,7 @@ class CrossEntropy(torch.autograd.Function):
             )
             (grad,) = torch.autograd.grad(loss, input, grad_out, create_graph=True)
         else:
-            grad = cross_entropy_backward_op(grad_out, input, target, weight, *ctx.options)
+            grad = cross_entropy_backward_op(
+                grad_out, input, logsumexp, target, weight, *ctx.options
+            )
         return grad, None, None, None, None, None, None

@@ -79,24 +79,81 @@ def nll_loss_backward(grad_output, self, target, weight, reduction, ignore_index
 _REDUCTIONS = {"none": _NONE, "mean": _MEAN, "sum": _SUM}
 
 
-def class_index_cross_entropy(logits, target, weight, reduction, ignore_index, label_smoothing):
-    """torch's cross_entropy of (N, C) logits and class-index targets."""
-    log_probs = jax.nn.log_softmax(logits, axis=1)
-    nll = _nll_forward(log_probs, target, weight, reduction, ignore_index)[0]
+def class_index_cross_entropy(
+    logits, target, weight, reduction, ignore_index, label_smoothing, logsumexp=None
+):
+    """torch's cross_entropy of (N, C) logits and class-index targets.
+
+    Note [Cross entropy without log-probabilities]
+        A row's loss is ``logsumexp(x) - x[target]``: the (N, C) log-probabilities
+        torch's composite makes are never made, so the forward reads the logits twice
+        (their maximum, then the sum of exponentials) and writes nothing of their size;
+        a language model's logits are its largest array (GPT-2 small at 8x1024 tokens:
+        1.6 GiB in float32). ``x[target]`` is taken as a masked sum rather than a
+        gather, so its gradient is a compare in the same elementwise pass as the
+        softmax's, not a scatter into zeros. Given the forward's ``logsumexp`` (the
+        backward op: ops/cross_entropy.py), the gradient reads the logits once and
+        writes its own (N, C) array, where recomputing it would read them twice more.
+    """
+    n_classes = logits.shape[1]
+    if logsumexp is None:
+        logsumexp = jax.nn.logsumexp(logits, axis=1)
+    else:
+        logsumexp = _known_logsumexp(logits, logsumexp)
+    valid = target != ignore_index
+    error_if(
+        jnp.any(valid & ((target < 0) | (target >= n_classes))),
+        IndexError,
+        f"Target is out of bounds (must be in [0, {n_classes}))",
+    )
+    safe = jnp.where(valid, target, 0)
+    is_target = lax.broadcasted_iota(jnp.int32, logits.shape, 1) == safe.astype(jnp.int32)[:, None]
+    picked = jnp.sum(jnp.where(is_target, logits, 0), axis=1)
+    w = jnp.ones((n_classes,), logits.dtype) if weight is None else weight.astype(logits.dtype)
+    row_weight = jnp.where(valid, w[safe], 0)
+    nll = _reduce_weighted((logsumexp - picked) * row_weight, row_weight, reduction)
     if not label_smoothing:
         return nll
-    ignored = target == ignore_index
-    weighted = log_probs if weight is None else log_probs * weight.astype(log_probs.dtype)
-    smooth = jnp.where(ignored, 0, -jnp.sum(weighted, axis=1))
+    # -sum_c w_c * log p_c = logsumexp * sum_c w_c - sum_c w_c * x_c
+    if weight is None:
+        smooth = logsumexp * n_classes - jnp.sum(logits, axis=1)
+    else:
+        smooth = logsumexp * jnp.sum(w) - jnp.sum(logits * w, axis=1)
+    smooth = jnp.where(valid, smooth, 0)
     if reduction == _MEAN:
-        if weight is None:
-            counted = jnp.sum(~ignored).astype(smooth.dtype)
-        else:
-            counted = jnp.sum(jnp.where(ignored, 0, weight.astype(smooth.dtype)[target]))
-        smooth = jnp.sum(smooth) / counted
+        smooth = jnp.sum(smooth) / jnp.sum(row_weight)
     elif reduction == _SUM:
         smooth = jnp.sum(smooth)
-    return (1 - label_smoothing) * nll + smooth * (label_smoothing / logits.shape[1])
+    return (1 - label_smoothing) * nll + smooth * (label_smoothing / n_classes)
+
+
+def _reduce_weighted(loss, row_weight, reduction):
+    if reduction == _MEAN:
+        return jnp.sum(loss) / jnp.sum(row_weight)
+    if reduction == _SUM:
+        return jnp.sum(loss)
+    return loss
+
+
+@jax.custom_vjp
+def _known_logsumexp(logits, logsumexp):
+    """``logsumexp``, the rows' logsumexp of ``logits`` computed already, with the
+    gradient of computing it: the softmax (Note [Cross entropy without
+    log-probabilities])."""
+    return logsumexp
+
+
+def _known_logsumexp_forward(logits, logsumexp):
+    return logsumexp, (logits, logsumexp)
+
+
+def _known_logsumexp_backward(saved, grad):
+    logits, logsumexp = saved
+    softmax = jnp.exp(logits - logsumexp[:, None])
+    return grad[:, None] * softmax, jnp.zeros_like(logsumexp)
+
+
+_known_logsumexp.defvjp(_known_logsumexp_forward, _known_logsumexp_backward)
 
 
 def _linear_cross_entropy_fn(
