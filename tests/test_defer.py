@@ -290,6 +290,46 @@ def test_a_large_step_runs_its_optimizer_as_a_chunk_of_its_own(monkeypatch):
     assert optimizer_chunk < forward_backward
 
 
+def test_a_large_forward_runs_when_its_backward_begins(monkeypatch):
+    """Note [The backward starts a chunk]: a queue of at least ``defer_split_ops`` ops
+    runs when the first op of ``loss.backward()`` is recorded, so the device computes
+    the forward while the backward is recorded; the cut is at the same op every step
+    (nothing compiles after the first) and the results are the CPU's."""
+    monkeypatch.setattr(torchtpu.config, "defer_split_ops", 6)
+
+    def make():
+        torch.manual_seed(0)
+        layers = [nn.Linear(9, 9) if i % 2 == 0 else nn.GELU() for i in range(9)]
+        return nn.Sequential(*layers, nn.Linear(9, 3))
+
+    x, y = torch.randn(5, 9), torch.randint(0, 3, (5,))
+
+    def run(model, x, y):
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+        def step():
+            opt.zero_grad()
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            opt.step()
+            return loss.item()
+
+        return [torchtpu.explain(step) for _ in range(4)]
+
+    expected = [a.result for a in run(make(), x, y)]
+    with torch.tpu.set_eager_mode("defer"):
+        accounts = run(make().to("tpu"), x.to("tpu"), y.to("tpu"))
+    losses = [a.result for a in accounts]
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=0, atol=1e-5)
+    reasons = [[f["reason"] for f in a.flushes] for a in accounts]
+    assert reasons[0][0] == "backward begins", reasons
+    assert reasons[1:] == [["backward begins", "optimizer step begins", "optimizer step"]] * 3
+    # the forward: 6 linear layers, 4 GELUs, the loss and backward()'s seed, ones_like
+    assert accounts[1].flushes[0]["ops"] == 12
+    compiled = [[f["ops"] for f in a.flushes if f["compiled"]] for a in accounts]
+    assert compiled[1:] == [[], [], []], compiled
+
+
 def test_a_large_step_read_before_its_optimizer_compiles_two_chunks(monkeypatch):
     """The loss read between backward and ``optimizer.step()``: the optimizer's ops run
     alone at the step's end instead of joining the next step's forward (which made
