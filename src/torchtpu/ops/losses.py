@@ -33,13 +33,7 @@ def _nll_parts(self, target, weight, ignore_index):
     """Per-element -w * x[target] and w, with the class dim at 1 (or 0 for 1-d)."""
     class_dim = 0 if self.ndim == 1 else 1
     n_classes = self.shape[class_dim]
-    valid = target != ignore_index
-    error_if(
-        jnp.any(valid & ((target < 0) | (target >= n_classes))),
-        IndexError,
-        f"Target is out of bounds (must be in [0, {n_classes}))",
-    )
-    safe = jnp.where(valid, target, 0)
+    valid, safe = _checked_targets(target, ignore_index, n_classes)
     picked = jnp.take_along_axis(self, jnp.expand_dims(safe, class_dim), axis=class_dim).squeeze(
         class_dim
     )
@@ -48,14 +42,28 @@ def _nll_parts(self, target, weight, ignore_index):
     return -picked * w, w
 
 
+def _checked_targets(target, ignore_index, n_classes):
+    """(whether each target counts, the targets with the ignored ones made 0), having
+    stated torch's error for a target out of range."""
+    valid = target != ignore_index
+    error_if(
+        jnp.any(valid & ((target < 0) | (target >= n_classes))),
+        IndexError,
+        f"Target is out of bounds (must be in [0, {n_classes}))",
+    )
+    return valid, jnp.where(valid, target, 0)
+
+
+def _reduce_weighted(loss, weights, reduction):
+    """``_reduce``, but a mean divides by the sum of the elements' weights."""
+    if reduction == _MEAN:
+        return jnp.sum(loss) / jnp.sum(weights)
+    return _reduce(loss, reduction)
+
+
 def _nll_forward(self, target, weight, reduction, ignore_index):
     loss, w = _nll_parts(self, target, weight, ignore_index)
-    total = jnp.sum(w)
-    if reduction == _MEAN:
-        return jnp.sum(loss) / total, total
-    if reduction == _SUM:
-        return jnp.sum(loss), total
-    return loss, total
+    return _reduce_weighted(loss, w, reduction), jnp.sum(w)
 
 
 @lowers(aten.nll_loss_forward.default, aten.nll_loss2d_forward.default)
@@ -87,9 +95,10 @@ def class_index_cross_entropy(
     Note [Cross entropy without log-probabilities]
         A row's loss is ``logsumexp(x) - x[target]``: the (N, C) log-probabilities
         torch's composite makes are never made, so the forward reads the logits twice
-        (their maximum, then the sum of exponentials) and writes nothing of their size;
-        a language model's logits are its largest array (GPT-2 small at 8x1024 tokens:
-        1.6 GiB in float32). ``x[target]`` is taken as a masked sum rather than a
+        (their maximum, then the sum of exponentials) and needs no array of their size
+        beyond them (XLA may keep a float32 copy of 16-bit logits); a language model's
+        logits are its largest array (GPT-2 small at 8x1024 tokens: 1.6 GiB in
+        float32). ``x[target]`` is taken as a masked sum rather than a
         gather, so its gradient is a compare in the same elementwise pass as the
         softmax's, not a scatter into zeros. Given the forward's ``logsumexp`` (the
         backward op: ops/cross_entropy.py), the gradient reads the logits once and
@@ -100,13 +109,7 @@ def class_index_cross_entropy(
         logsumexp = jax.nn.logsumexp(logits, axis=1)
     else:
         logsumexp = _known_logsumexp(logits, logsumexp)
-    valid = target != ignore_index
-    error_if(
-        jnp.any(valid & ((target < 0) | (target >= n_classes))),
-        IndexError,
-        f"Target is out of bounds (must be in [0, {n_classes}))",
-    )
-    safe = jnp.where(valid, target, 0)
+    valid, safe = _checked_targets(target, ignore_index, n_classes)
     is_target = lax.broadcasted_iota(jnp.int32, logits.shape, 1) == safe.astype(jnp.int32)[:, None]
     picked = jnp.sum(jnp.where(is_target, logits, 0), axis=1)
     w = jnp.ones((n_classes,), logits.dtype) if weight is None else weight.astype(logits.dtype)
@@ -119,20 +122,8 @@ def class_index_cross_entropy(
         smooth = logsumexp * n_classes - jnp.sum(logits, axis=1)
     else:
         smooth = logsumexp * jnp.sum(w) - jnp.sum(logits * w, axis=1)
-    smooth = jnp.where(valid, smooth, 0)
-    if reduction == _MEAN:
-        smooth = jnp.sum(smooth) / jnp.sum(row_weight)
-    elif reduction == _SUM:
-        smooth = jnp.sum(smooth)
+    smooth = _reduce_weighted(jnp.where(valid, smooth, 0), row_weight, reduction)
     return (1 - label_smoothing) * nll + smooth * (label_smoothing / n_classes)
-
-
-def _reduce_weighted(loss, row_weight, reduction):
-    if reduction == _MEAN:
-        return jnp.sum(loss) / jnp.sum(row_weight)
-    if reduction == _SUM:
-        return jnp.sum(loss)
-    return loss
 
 
 @jax.custom_vjp
