@@ -98,7 +98,8 @@ defer_max_ops: int = int(os.environ.get("TORCHTPU_DEFER_MAX_OPS", "512"))
 #: A DeferAndFuse queue of at least this many ops when ``optimizer.step()`` begins runs
 #: then, and the optimizer's ops run as a chunk of their own (Note [The optimizer's step
 #: is a chunk of its own] in dispatch/defer.py): the second step, whose optimizer state
-#: exists, then compiles only the optimizer's chunk anew.
+#: exists, then compiles only the optimizer's chunk anew. So does one when a backward
+#: pass begins (Note [The backward starts a chunk]: faster, for a little more memory).
 defer_split_ops: int = int(os.environ.get("TORCHTPU_DEFER_SPLIT_OPS", "128"))
 
 #: torch.compile(backend="tpu") captures ``.item()`` into its graphs: Dynamo's
