@@ -969,6 +969,27 @@ def test_linalg_integer_and_half():
     check(lambda x: torch.stack([x, x]).sum(0), _B)
 
 
+def test_batched_products_plus_a_bias_round_bfloat16_once():
+    """baddbmm and addbmm of 16-bit floats add the bias to the float32 accumulator
+    before their one rounding: where product and bias nearly cancel, rounding the
+    product first loses the bias's digits. baddbmm then equals the CPU's exactly.
+    The CPU's addbmm rounds after each batch's addmm: its partial sums (up to ~20 here,
+    where a bfloat16 step is 0.125) each lose up to half a step, four times."""
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(4, 16, 32, generator=g).bfloat16()
+    b = torch.randn(4, 32, 8, generator=g).bfloat16()
+    products = torch.bmm(a.float(), b.float())
+    noise = torch.randn(4, 16, 8, generator=g) * 0.01
+    bias = (noise - products).bfloat16()  # bias + product: about the noise
+    assert torch.equal(torch.baddbmm(bias.to("tpu"), a.to("tpu"), b.to("tpu")).cpu(),
+                       torch.baddbmm(bias, a, b))  # fmt: skip
+    bias = (noise[0] - products.sum(0)).bfloat16()
+    ours = torch.addbmm(bias.to("tpu"), a.to("tpu"), b.to("tpu")).cpu()
+    exact = (products.sum(0) + bias.float()).bfloat16()
+    assert torch.equal(ours, exact)
+    torch.testing.assert_close(ours, torch.addbmm(bias, a, b), rtol=0, atol=0.25)
+
+
 # ======================================================================================
 # Neural-network ops
 # ======================================================================================

@@ -71,13 +71,19 @@ def addmm(self, mat1, mat2, beta=1, alpha=1, *, precision):
 
 @lowers(aten.baddbmm.default, precision=True)
 def baddbmm(self, batch1, batch2, beta=1, alpha=1, *, precision):
-    return _plus_scaled(_matmul(batch1, batch2, precision), self, beta, alpha)
+    # Rounded once for 16-bit floats, as addmm (the CPU's kernel does too).
+    product = _accumulated(batch1, batch2, precision)
+    out = _plus_scaled(product, self.astype(product.dtype), beta, alpha)
+    return out.astype(batch1.dtype)
 
 
 @lowers(aten.addbmm.default, precision=True)
 def addbmm(self, batch1, batch2, beta=1, alpha=1, *, precision):
-    product = jnp.sum(_matmul(batch1, batch2, precision), axis=0)
-    return _plus_scaled(product, self, beta, alpha, blas_alpha=True)
+    # Rounded once for 16-bit floats. (The CPU's kernel is a loop of addmm over the
+    # batch, rounding after each: within a rounding step per batch of this.)
+    product = jnp.sum(_accumulated(batch1, batch2, precision), axis=0)
+    out = _plus_scaled(product, self.astype(product.dtype), beta, alpha, blas_alpha=True)
+    return out.astype(batch1.dtype)
 
 
 @lowers(aten.addr.default, promote="default", promote_args=("self", "vec1", "vec2"))
