@@ -59,31 +59,33 @@ def vdot(self, other, *, precision):
     return _matmul(jnp.conj(self), other, precision)
 
 
+def _plus_scaled_rounded_once(product, self, beta, alpha, dtype, blas_alpha=False):
+    """`_plus_scaled` of an `_accumulated` product, rounded to ``dtype`` once: for
+    16-bit floats the sum is made before the one rounding, as the CPU's and cuBLAS's
+    kernels do (rounding the product first loses the bias's digits where the two
+    nearly cancel)."""
+    out = _plus_scaled(product, self.astype(product.dtype), beta, alpha, blas_alpha)
+    return out.astype(dtype)
+
+
 @lowers(aten.addmm.default, aten.addmv.default, precision=True)
 def addmm(self, mat1, mat2, beta=1, alpha=1, *, precision):
-    # For 16-bit floats, the sum is made before the one rounding, as the CPU's and
-    # cuBLAS's kernels do (rounding the product first loses the bias's digits where
-    # the two nearly cancel).
     product = _accumulated(mat1, mat2, precision)
-    out = _plus_scaled(product, self.astype(product.dtype), beta, alpha, blas_alpha=True)
-    return out.astype(mat1.dtype)
+    return _plus_scaled_rounded_once(product, self, beta, alpha, mat1.dtype, blas_alpha=True)
 
 
 @lowers(aten.baddbmm.default, precision=True)
 def baddbmm(self, batch1, batch2, beta=1, alpha=1, *, precision):
-    # Rounded once for 16-bit floats, as addmm (the CPU's kernel does too).
     product = _accumulated(batch1, batch2, precision)
-    out = _plus_scaled(product, self.astype(product.dtype), beta, alpha)
-    return out.astype(batch1.dtype)
+    return _plus_scaled_rounded_once(product, self, beta, alpha, batch1.dtype)
 
 
 @lowers(aten.addbmm.default, precision=True)
 def addbmm(self, batch1, batch2, beta=1, alpha=1, *, precision):
-    # Rounded once for 16-bit floats. (The CPU's kernel is a loop of addmm over the
-    # batch, rounding after each: within a rounding step per batch of this.)
+    # (The CPU's kernel is a loop of addmm over the batch, rounding after each: within
+    # a rounding step per batch of this.)
     product = jnp.sum(_accumulated(batch1, batch2, precision), axis=0)
-    out = _plus_scaled(product, self.astype(product.dtype), beta, alpha, blas_alpha=True)
-    return out.astype(batch1.dtype)
+    return _plus_scaled_rounded_once(product, self, beta, alpha, batch1.dtype, blas_alpha=True)
 
 
 @lowers(aten.addr.default, promote="default", promote_args=("self", "vec1", "vec2"))
