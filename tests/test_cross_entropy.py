@@ -123,3 +123,80 @@ def test_maml_differentiates_the_backward():
         F.cross_entropy(x.to(device) @ adapted.t(), target.to(device)).backward()
         results[device] = (grad_w, ws.grad)
     assert_same(results["tpu"], results["cpu"], rtol=1e-4, atol=1e-5)
+
+
+def _float_of_16_bit_logits(device, logits, target, write_after=None, create_graph=False):
+    """``F.cross_entropy(h.reshape(...).float(), target)`` of 16-bit ``h``, as language
+    models upcast their logits: the loss, the gradient of ``logits``, and on tpu whether
+    the float32 copy outlived the loss's forward."""
+    import weakref
+
+    x = logits.detach().to(device).requires_grad_()
+    h = (x * 2).to(torch.bfloat16).reshape(-1, logits.shape[-1])  # the model's output
+    copy = h.float()
+    alive = weakref.ref(copy._storage) if device == "tpu" else None
+    loss = F.cross_entropy(copy, target.to(device), label_smoothing=0.1)
+    if write_after == "copy":
+        copy.mul_(3)  # allowed on the CPU: torch's loss saves log_softmax's result
+    elif write_after == "logits":
+        h.mul_(3)
+    del copy
+    freed = alive is not None and alive() is None
+    if create_graph:
+        (grad,) = torch.autograd.grad(loss, x, create_graph=True)
+        (grad.square().sum() + loss).backward()
+    else:
+        loss.backward()
+    return (loss, x.grad), freed
+
+
+def test_the_float32_copy_of_16_bit_logits_is_not_kept_for_the_backward(mode):
+    """Note [Saving the logits' values]: the loss keeps the 16-bit logits (alive anyway)
+    saved in place of their float32 copy, which is freed after the forward; values and
+    gradients as the CPU's."""
+    torch.manual_seed(0)
+    logits, target = torch.randn(2, 6, 7), torch.randint(0, 7, (12,))
+    expected, _ = _float_of_16_bit_logits("cpu", logits, target)
+    actual, freed = _float_of_16_bit_logits("tpu", logits, target)
+    assert_same(actual, expected)
+    assert freed
+
+
+@pytest.mark.parametrize("write_after", ["copy", "logits"])
+def test_writing_into_the_logits_after_the_loss_changes_nothing_as_on_the_cpu(write_after):
+    """The CPU's loss saves ``log_softmax``'s result, so writing into its input (or into
+    what the input was copied from) after the loss is allowed and changes no gradient;
+    the tpu loss saves the input's values, with the same effect."""
+    torch.manual_seed(0)
+    logits, target = torch.randn(2, 6, 7), torch.randint(0, 7, (12,))
+    expected, _ = _float_of_16_bit_logits("cpu", logits, target, write_after)
+    actual, _ = _float_of_16_bit_logits("tpu", logits, target, write_after)
+    assert_same(actual, expected)
+
+
+def test_a_second_order_gradient_through_upcast_logits_matches_the_cpu():
+    """``create_graph=True`` with the 16-bit logits saved: the backward gets float32
+    values in the input's place in the graph, so the cast is differentiated too."""
+    torch.manual_seed(0)
+    logits, target = torch.randn(2, 6, 7), torch.randint(0, 7, (12,))
+    expected, _ = _float_of_16_bit_logits("cpu", logits, target, create_graph=True)
+    actual, _ = _float_of_16_bit_logits("tpu", logits, target, create_graph=True)
+    assert_same(actual, expected)
+
+
+def test_logits_written_between_the_cast_and_the_loss_are_not_taken_for_the_copy():
+    """The float32 copy holds the values the 16-bit logits had when copied: written
+    since, the logits no longer hold them, and the copy itself stays saved."""
+    torch.manual_seed(0)
+    logits, target = torch.randn(12, 7), torch.randint(0, 7, (12,))
+    results = {}
+    for device in ("cpu", "tpu"):
+        x = logits.detach().to(device).requires_grad_()
+        h = (x * 2).to(torch.bfloat16)
+        copy = h.float()
+        with torch.no_grad():
+            h.mul_(3)
+        loss = F.cross_entropy(copy, target.to(device))
+        loss.backward()
+        results[device] = (loss, x.grad)
+    assert_same(results["tpu"], results["cpu"])

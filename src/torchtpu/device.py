@@ -605,7 +605,13 @@ def _cross_entropy_loss(
     dtype = None
     if input.dtype != torch.float32 and torch.is_autocast_enabled("tpu"):
         dtype = torch.float32
-    return CrossEntropy.apply(input, target, weight, reduction, ignore_index, label_smoothing, dtype)
+    loss = CrossEntropy.apply(input, target, weight, reduction, ignore_index, label_smoothing, dtype)
+    if loss.grad_fn is not None:
+        # Saved: the logits' values (16-bit where they are a ``.float()``), not the tensor.
+        from torchtpu.dispatch import saved_values
+
+        saved_values.save_values(loss.grad_fn, 0, input)
+    return loss
 
 
 def _scaled_dot_product_attention(

@@ -14,7 +14,7 @@ from torch.utils._pytree import tree_map
 
 from torchtpu import storage as storage_module
 from torchtpu import tensor as tensor_module
-from torchtpu.dispatch import checks, defer, nested, plans, schema
+from torchtpu.dispatch import checks, defer, nested, plans, saved_values, schema
 from torchtpu.dispatch.meta import on_meta
 from torchtpu.dispatch.values import (
     OutMeta,
@@ -84,7 +84,9 @@ def _to_copy(func, args, kwargs):
             moved = move(x, index)
             kwargs = {k: v for k, v in kwargs.items() if k != "device"}
             return func(moved, *args[1:], **kwargs)
-    return _lowered(func, func)(func, args, kwargs)
+    out = _lowered(func, func)(func, args, kwargs)
+    saved_values.note_widening(x, out)
+    return out
 
 
 def _copy_(func, args, kwargs):

@@ -22,8 +22,10 @@ instead:
 Autograd saves the logits themselves and the [N] logsumexps. Under autocast, where
 torch's composite casts 16-bit logits to float32 for ``log_softmax`` and ``nll_loss``,
 ``dtype`` (float32) is what the op computes in, and the gradient is cast back to the
-logits' dtype. A backward differentiated again (``create_graph=True``) runs torch's
-composite.
+logits' dtype. Float32 logits that are a 16-bit tensor's ``.float()`` are saved as
+that tensor (Note [Saving the logits' values], dispatch/saved_values.py): the
+backward op then widens them itself (``input_dtype``). A backward differentiated again
+(``create_graph=True``) runs torch's composite.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ _library.define(
 _library.define(
     "cross_entropy_backward(Tensor grad_out, Tensor input, Tensor logsumexp, Tensor target, "
     "Tensor? weight, int reduction, int ignore_index, float label_smoothing, "
-    "ScalarType? dtype) -> Tensor"
+    "ScalarType? dtype, ScalarType? input_dtype=None) -> Tensor"
 )
 cross_entropy_op = torch.ops.torchtpu_nn.cross_entropy.default
 cross_entropy_backward_op = torch.ops.torchtpu_nn.cross_entropy_backward.default
@@ -61,8 +63,11 @@ def _cross_entropy_fake(input, target, weight, reduction, ignore_index, label_sm
 
 
 @torch.library.register_fake("torchtpu_nn::cross_entropy_backward", lib=_library)
-def _cross_entropy_backward_fake(grad_out, input, *options):
-    return input.new_empty(input.shape)
+def _cross_entropy_backward_fake(
+    grad_out, input, logsumexp, target, weight, reduction, ignore_index, label_smoothing, dtype,
+    input_dtype=None,
+):  # fmt: skip
+    return input.new_empty(input.shape, dtype=input_dtype or input.dtype)
 
 
 def _loss_fn(target, weight, reduction, ignore_index, label_smoothing, dtype, logsumexp=None):
@@ -93,10 +98,16 @@ def _cross_entropy(input, target, weight, reduction, ignore_index, label_smoothi
     return loss(input), logsumexp
 
 
-@lowers(cross_entropy_backward_op, static=_OPTIONS)
+@lowers(cross_entropy_backward_op, static=(*_OPTIONS, "input_dtype"))
 def _cross_entropy_backward(
-    grad_out, input, logsumexp, target, weight, reduction, ignore_index, label_smoothing, dtype
-):
+    grad_out, input, logsumexp, target, weight, reduction, ignore_index, label_smoothing, dtype,
+    input_dtype=None,
+):  # fmt: skip
+    """The logits' gradient; where ``input_dtype`` is given, ``input`` holds the 16-bit
+    values of a float32 input (dispatch/saved_values.py) and the gradient is the float32
+    input's."""
+    if input_dtype is not None:
+        input = input.astype(dtypes.to_jax(input_dtype))
     loss = _loss_fn(target, weight, reduction, ignore_index, label_smoothing, dtype, logsumexp)
     value, vjp = jax.vjp(loss, input)
     return vjp(grad_out.astype(value.dtype))[0]
@@ -108,6 +119,7 @@ class CrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, input, target, weight, reduction, ignore_index, label_smoothing, dtype):
         ctx.options = (reduction, ignore_index, label_smoothing, dtype)
+        ctx.input_dtype = input.dtype
         loss, logsumexp = cross_entropy_op(input, target, weight, *ctx.options)
         ctx.save_for_backward(input, logsumexp, target, weight)
         return loss
@@ -123,7 +135,9 @@ class CrossEntropy(torch.autograd.Function):
             )
             (grad,) = torch.autograd.grad(loss, input, grad_out, create_graph=True)
         else:
+            # The input may come back narrower than it was (dispatch/saved_values.py).
+            widened_to = ctx.input_dtype if input.dtype != ctx.input_dtype else None
             grad = cross_entropy_backward_op(
-                grad_out, input, logsumexp, target, weight, *ctx.options
+                grad_out, input, logsumexp, target, weight, *ctx.options, input_dtype=widened_to
             )
         return grad, None, None, None, None, None, None
