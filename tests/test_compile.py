@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 import torchtpu
 import torchtpu.compile.backend  # noqa: F401  (the Dynamo options it sets apply from here)
+from conftest import assert_same
 from test_training import _CNN, _Block, _mlp, _mlp_batch
 from torchtpu import _compat
 
@@ -273,6 +274,43 @@ def test_a_compiled_step_never_donates_a_parameter_held_elsewhere():
     torch.testing.assert_close(torch.from_numpy(np.asarray(held)), before)
     assert torchtpu.metrics()["donated"]["graph"] >= 2  # the bias and the momenta were
     assert not torch.equal(model.weight.detach().cpu(), before)  # the step still updated it
+
+
+def test_the_backward_recomputes_what_is_cheap(monkeypatch):
+    """Note [The backward recomputes what is cheap]: a compiled language-model loss
+    keeps one float32 [tokens, vocabulary] array for its backward, where AOTAutograd's
+    default partition (``compile_recompute = False``) keeps ``log_softmax``'s result
+    and an alias of it, each an array of its own in an XLA program; both train as
+    the CPU does."""
+    from torchtpu.compile import backend
+
+    kept = []
+    compile_graph = backend._compile_graph
+
+    def spy(gm, example_inputs, forward=False, inference=False):
+        if forward:  # what the forward graph returns: the loss and what it keeps
+            kept.extend(v for v in backend._output_values(gm) if isinstance(v, torch.Tensor))
+        return compile_graph(gm, example_inputs, forward=forward, inference=inference)
+
+    monkeypatch.setattr(backend, "_compile_graph", spy)
+    tokens, width, vocab = 64, 32, 512
+    torch.manual_seed(0)
+    cpu_head = nn.Linear(width, vocab)
+    x, target = torch.randn(tokens, width), torch.randint(0, vocab, (tokens,))
+    F.cross_entropy(cpu_head(x), target).backward()
+    expected = [p.grad for p in cpu_head.parameters()]
+    logits_kept = {}
+    for recompute in (True, False):
+        monkeypatch.setattr(torchtpu.config, "compile_recompute", recompute)
+        torch._dynamo.reset()
+        kept.clear()
+        head = copy.deepcopy(cpu_head).to("tpu")
+        head.zero_grad()
+        loss = torch.compile(F.cross_entropy, backend="tpu")(head(x.to("tpu")), target.to("tpu"))
+        loss.backward()
+        assert_same([p.grad for p in head.parameters()], expected, rtol=1e-5, atol=1e-6)
+        logits_kept[recompute] = sum(tuple(v.shape) == (tokens, vocab) for v in kept)
+    assert logits_kept == {True: 1, False: 2}
 
 
 def test_a_compiled_step_after_eager_steps_matches_cpu():

@@ -77,6 +77,12 @@ def _env_cache_dir() -> str | None:
     return os.path.join(root, "torchtpu", "xla")
 
 
+#: torch.compile's graphs: the backward recomputes cheap pointwise ops from what the
+#: forward keeps, rather than the forward keeping their results (AOTAutograd's min-cut
+#: partition, as Inductor's; Note [The backward recomputes what is cheap] in
+#: compile/backend.py). False: AOTAutograd's default partition, which keeps them.
+compile_recompute: bool = _env_flag("TORCHTPU_COMPILE_RECOMPUTE", True)
+
 #: Where compiled XLA programs persist between processes (JAX's persistent compilation
 #: cache), so a second run of the same program warm-starts. None turns it off
 #: (TORCHTPU_COMPILE_CACHE_DIR=0). Takes effect when the JAX runtime starts.

@@ -33,6 +33,7 @@ from torch._dynamo import trace_rules as _trace_rules
 from torch._dynamo.backends import registry as _registry
 from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.backends.registry import register_backend
+from torch._functorch.partitioners import min_cut_rematerialization_partition
 
 from torchtpu import _compat, config, dtypes, tracing
 from torchtpu.compile import buckets, flex_attention, handles
@@ -278,12 +279,32 @@ def _output_values(gm: torch.fx.GraphModule) -> list:
     return [n.meta.get("val") if isinstance(n, torch.fx.Node) else n for n in output.args[0]]
 
 
-_aot_backend = aot_autograd(
-    fw_compiler=functools.partial(_compile_graph, forward=True),
-    bw_compiler=_compile_graph,
-    inference_compiler=functools.partial(_compile_graph, forward=True, inference=True),
-    decompositions=_decompositions(),
-)
+def _aot_backend():
+    """AOTAutograd with torchtpu's graph compilers.
+
+    Note [The backward recomputes what is cheap]
+        AOTAutograd traces forward and backward as one joint graph and partitions it:
+        what the forward graph returns for the backward is held between the two
+        programs. Its default partition keeps every intermediate the backward reads,
+        and an alias of one as well, which a program returns as an array of its own:
+        at a language model's loss, ``log_softmax``'s float32 [tokens, vocabulary]
+        result twice. The min-cut partition (Inductor's, the same call) keeps the
+        least it can and has the backward recompute cheap pointwise ops (casts,
+        activations, ``exp``) from what it keeps: inside an XLA program those
+        recomputations fuse into the backward's kernels, as in Inductor's. Products,
+        reductions and random ops are never recomputed, nor are torchtpu's own ops
+        (linear, attention). ``config.compile_recompute`` chooses; torch's own
+        ``torch._functorch.config`` settings (``activation_memory_budget``) apply."""
+    options = {}
+    if config.compile_recompute:
+        options["partition_fn"] = min_cut_rematerialization_partition
+    return aot_autograd(
+        fw_compiler=functools.partial(_compile_graph, forward=True),
+        bw_compiler=_compile_graph,
+        inference_compiler=functools.partial(_compile_graph, forward=True, inference=True),
+        decompositions=_decompositions(),
+        **options,
+    )
 
 
 def tpu_backend(gm: torch.fx.GraphModule, example_inputs, **options):
@@ -294,7 +315,7 @@ def tpu_backend(gm: torch.fx.GraphModule, example_inputs, **options):
         return gm  # Note [A compiled flex_attention alone runs eagerly]
     # Note [Compiling the backward while the forward compiles] (program.py)
     with _compat.aot_compiles_backward_with_forward():
-        return _tpu_tensors_out(_aot_backend(gm, example_inputs))
+        return _tpu_tensors_out(_aot_backend()(gm, example_inputs))
 
 
 def _tpu_tensors_out(compiled):
