@@ -21,7 +21,8 @@ attention is the one torchtpu picks: JAX's Pallas flash kernels on a TPU where t
 Each path runs in a fresh process (``--one-process``: all in this one, so that a later
 path reuses the eager ops' programs an earlier one compiled, and the peak is the
 run's). Per path: the first step, cold (tracing and compiling; two calls for
-torchtpu.jit, whose first call runs eagerly), the XLA programs torchtpu compiled for it
+torchtpu.jit, whose first call runs eagerly) and in a second fresh process with JAX's
+persistent cache filled by the first (a folder of the run's own), the XLA programs torchtpu compiled for it
 (per-op programs, DeferAndFuse chunks, compiled graphs and steps:
 ``torchtpu.metrics()``), then the median seconds per step, tokens per second, the
 share of the chip's peak (MFU, from nanoGPT's 6N + 12·layers·d·seq FLOPs per token;
@@ -43,6 +44,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 
@@ -56,11 +58,16 @@ import torch.nn.functional as F  # noqa: E402
 
 import torchtpu  # noqa: E402
 
-# First steps compile from scratch: no programs from JAX's persistent cache. Set before
+# First steps compile from scratch: JAX's persistent cache is off, or (a path's second
+# process, `run_child`) a fresh folder only that path's first process filled. Set before
 # the imports below, which start torchtpu's runtime (where the cache is configured).
 # (With --one-process, programs an earlier path compiled stay in the process: later
 # paths' first steps reuse the eager ops' programs.)
-torchtpu.config.compile_cache_dir = None
+_CACHE_VARIABLE = "TORCHTPU_GPT_BENCHMARK_CACHE"
+torchtpu.config.compile_cache_dir = os.environ.get(_CACHE_VARIABLE) or None
+if torchtpu.config.compile_cache_dir:  # the JAX row starts no torchtpu runtime
+    jax.config.update("jax_compilation_cache_dir", torchtpu.config.compile_cache_dir)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 
 from benchmarks import quiet  # noqa: E402
 from benchmarks.eager_modes import Block, runtime_line  # noqa: E402
@@ -268,8 +275,9 @@ def run_path(path: str, args) -> tuple[float, float, int, int]:
     return first, per_step, programs, peak_memory()
 
 
-def run_child(path: str) -> tuple[float, float, int, int]:
-    """`run_path` in a fresh process: this script again with ``--only path --child``."""
+def run_child(path: str, cache: str, *options: str) -> tuple[float, float, int, int]:
+    """`run_path` in a fresh process: this script again with ``--only path --child``,
+    with JAX's persistent cache in folder ``cache``."""
     argv, skip = [], False
     for arg in sys.argv[1:]:  # every option but --only
         if skip or arg == "--only" or arg.startswith("--only="):
@@ -277,13 +285,22 @@ def run_child(path: str) -> tuple[float, float, int, int]:
             continue
         argv.append(arg)
     run = subprocess.run(
-        [sys.executable, os.path.abspath(__file__), *argv, "--only", path, "--child"],
-        stdout=subprocess.PIPE, text=True,
+        [sys.executable, os.path.abspath(__file__), *argv, *options, "--only", path, "--child"],
+        stdout=subprocess.PIPE, text=True, env={**os.environ, _CACHE_VARIABLE: cache},
     )  # fmt: skip
     rows = [line[4:] for line in run.stdout.splitlines() if line.startswith("row ")]
     if run.returncode or not rows:  # the child printed its traceback to stderr
         raise RuntimeError(f"{path} exited with {run.returncode}: {run.stdout[-150:]}")
     return tuple(json.loads(rows[-1]))
+
+
+def cold_and_warm(path: str) -> tuple[float, float, int, int, float]:
+    """A path's row from a fresh process with an empty persistent cache, and the first
+    step of a second fresh process once the first filled it."""
+    with tempfile.TemporaryDirectory(prefix="gpt-cache-") as cache:
+        row = run_child(path, cache)
+        warm = run_child(path, cache, "--steps", "1", "--repeat", "1")
+    return (*row, warm[0])
 
 
 def main():
@@ -324,30 +341,31 @@ def main():
         f"{flops / 1e12:.2f} TFLOP a step\n"
     )
     print(
-        "| path | first step | programs | per step | tokens/s | MFU | vs jax.jit "
+        "| path | first step | warm cache | programs | per step | tokens/s | MFU | vs jax.jit "
         "| peak memory | vs jax.jit |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     rows, failed = {}, []
     for path in PATHS:
         if path not in args.only.split(","):
             continue
         try:
-            rows[path] = run_path(path, args) if args.one_process else run_child(path)
+            rows[path] = (*run_path(path, args), None) if args.one_process else cold_and_warm(path)
         except Exception as exc:  # an out-of-memory path must not hide the others
             message = f"{type(exc).__name__}: {str(exc).splitlines()[0][:150]}"
-            print(f"| {path} | failed: {message} | | | | | | | |", flush=True)
+            print(f"| {path} | failed: {message} | | | | | | | | |", flush=True)
             traceback.print_exc(file=sys.stderr)
             failed.append(path)
             continue
-        first, per_step, programs, peak = rows[path]
+        first, per_step, programs, peak, warm = rows[path]
+        warm = "" if warm is None else f"{warm:.1f} s"
         mfu = flops / per_step / (args.peak_tflops * 1e12)
         floor = rows.get("jax")
         ratio = "" if floor is None else f"{per_step / floor[1]:.2f}x"
         peak_ratio = "" if floor is None else f"{peak / floor[3]:.2f}x"
         programs = "(jax)" if path == "jax" else programs
         print(
-            f"| {path} | {first:.1f} s | {programs} | {per_step * 1e3:.1f} ms "
+            f"| {path} | {first:.1f} s | {warm} | {programs} | {per_step * 1e3:.1f} ms "
             f"| {args.batch * args.seq / per_step:,.0f} | {100 * mfu:.1f}% | {ratio} "
             f"| {peak / 2**30:.2f} GiB | {peak_ratio} |",
             flush=True,

@@ -28,8 +28,11 @@ def test_gpt_benchmark_fills_every_row():
     assert set(rows) == {"jax", "strict", "defer", "compile", "jit"}, run.stdout
     for line in rows.values():  # each path in its own process, with its peak memory
         assert "failed" not in line and " ms " in line and " GiB " in line, line
+        # the first step cold, then in a second process with the cache the first filled
+        cold, warm = (float(cell.strip().removesuffix(" s")) for cell in line.split("|")[2:4])
+        assert cold > 0 and warm > 0, line
     for path in ("strict", "defer", "compile", "jit"):  # each counts its programs
-        assert rows[path].split("|")[3].strip().isdigit(), rows[path]
+        assert rows[path].split("|")[4].strip().isdigit(), rows[path]
 
 
 def test_attention_benchmark_fills_its_row():
