@@ -4,6 +4,8 @@ the CPU, in every reduction, with weights, ignore_index and label smoothing."""
 
 from __future__ import annotations
 
+import weakref
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -129,8 +131,6 @@ def _float_of_16_bit_logits(device, logits, target, write_after=None, create_gra
     """``F.cross_entropy(h.reshape(...).float(), target)`` of 16-bit ``h``, as language
     models upcast their logits: the loss, the gradient of ``logits``, and on tpu whether
     the float32 copy outlived the loss's forward."""
-    import weakref
-
     x = logits.detach().to(device).requires_grad_()
     h = (x * 2).to(torch.bfloat16).reshape(-1, logits.shape[-1])  # the model's output
     copy = h.float()
@@ -199,4 +199,27 @@ def test_logits_written_between_the_cast_and_the_loss_are_not_taken_for_the_copy
         loss = F.cross_entropy(copy, target.to(device))
         loss.backward()
         results[device] = (loss, x.grad)
+    assert_same(results["tpu"], results["cpu"])
+
+
+def test_the_loss_under_the_callers_saved_tensor_hooks_matches_the_cpu():
+    """Activation checkpointing and ``save_on_cpu`` install saved-tensor hooks of their
+    own; they then decide how the loss's input is kept, and the loss trains as on the
+    CPU."""
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    logits, target = torch.randn(12, 7), torch.randint(0, 7, (12,))
+    results = {}
+    for device in ("cpu", "tpu"):
+        x, t = logits.detach().to(device).requires_grad_(), target.to(device)
+
+        def loss_of(x):
+            return F.cross_entropy((x * 2).to(torch.bfloat16).float(), t)  # noqa: B023
+
+        checkpointed = checkpoint(loss_of, x, use_reentrant=False)
+        with torch.autograd.graph.saved_tensors_hooks(lambda a: a, lambda a: a):
+            hooked = loss_of(x)
+        (checkpointed + hooked).backward()
+        results[device] = (checkpointed, hooked, x.grad)
     assert_same(results["tpu"], results["cpu"])

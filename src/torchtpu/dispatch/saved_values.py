@@ -30,6 +30,8 @@ Note [Saving the logits' values]
       torch's own ``cross_entropy`` saves ``log_softmax``'s result, not its input:
       writing into the logits after taking the loss is allowed on the CPU, and now on
       tpu too.
+    - Where the caller's own saved-tensor hooks are active (activation checkpointing,
+      ``save_on_cpu``), those keep the input as they choose: nothing changes.
 """
 
 from __future__ import annotations
@@ -87,4 +89,9 @@ def save_values(node, index: int, t: TPUTensor) -> None:
         # A backward that builds a graph (create_graph=True) gets the input's dtype.
         return saved.to(dtype) if torch.is_grad_enabled() and saved.dtype != dtype else saved
 
-    node._raw_saved_tensors[index].register_hooks(lambda _: values, unpack)
+    try:
+        node._raw_saved_tensors[index].register_hooks(lambda _: values, unpack)
+    except RuntimeError:
+        # Saved-tensor hooks of the caller's own decide how it is kept (torch.utils.
+        # checkpoint, save_on_cpu), or hooks are disabled here: autograd's save stands.
+        pass
