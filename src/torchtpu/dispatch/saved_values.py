@@ -6,7 +6,7 @@ Note [Saving the logits' values]
     logits.float(), target)`` (Transformers' ``ForCausalLMLoss`` upcasts so, as do
     TorchTitan and ``benchmarks/gpt.py``). The loss saves its input for the backward,
     so eagerly the float32 copy of the logits lives from the forward to the backward:
-    1.6 GiB at GPT-2 small's 8x1024 tokens (vocabulary 50,304), 4 GiB for as many
+    1.5 GiB at GPT-2 small's 8x1024 tokens (vocabulary 50,304), 4 GiB for as many
     tokens of a Llama 3 (128k), at the step's peak. Its values are the 16-bit logits'
     exactly (a widening loses nothing), and those usually live anyway (the model's
     output). So:
