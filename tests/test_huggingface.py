@@ -145,3 +145,28 @@ def test_trainer_trains_a_lora_adapter_on_tpu(tmp_path):
             assert torch.equal(p.detach().cpu(), frozen[name]), name
     lora_b = [p for n, p in model.named_parameters() if "lora_B" in n]
     assert lora_b and all(p.detach().abs().sum().item() > 0 for p in lora_b)  # trained from 0
+
+
+def test_the_causal_lm_loss_keeps_the_16_bit_logits_not_their_float32_copy():
+    """Transformers' ``ForCausalLMLoss`` upcasts the logits before ``cross_entropy``:
+    after the forward only the model's bfloat16 logits stay alive for the backward
+    (Note [Saving the logits' values]), and the gradients are the CPU's."""
+    import jax
+
+    model = _tiny_llama().to(torch.bfloat16)
+    generator = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, model.config.vocab_size, (2, 24), generator=generator)
+    grads = {}
+    for device in ("cpu", "tpu"):
+        model.zero_grad()
+        model.to(device)
+        before = {id(a): a for a in jax.live_arrays()}  # held: ids stay theirs
+        out = model(input_ids=ids.to(device), labels=ids.to(device))
+        if device == "tpu":
+            out.loss.item()  # the forward has run
+            size = ids.numel() * model.config.vocab_size
+            made = [a for a in jax.live_arrays() if id(a) not in before and a.size == size]
+            assert sorted(str(a.dtype) for a in made) == ["bfloat16"], made
+        out.loss.backward()
+        grads[device] = model.lm_head.weight.grad.float().cpu()
+    torch.testing.assert_close(grads["tpu"], grads["cpu"], rtol=2e-2, atol=2e-3)
