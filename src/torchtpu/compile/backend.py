@@ -29,11 +29,11 @@ import sys
 
 import torch
 import torch.fx.experimental._config
+from functorch.compile import min_cut_rematerialization_partition
 from torch._dynamo import trace_rules as _trace_rules
 from torch._dynamo.backends import registry as _registry
 from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.backends.registry import register_backend
-from torch._functorch.partitioners import min_cut_rematerialization_partition
 
 from torchtpu import _compat, config, dtypes, tracing
 from torchtpu.compile import buckets, flex_attention, handles
