@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import gc
 import importlib.metadata
 import math
 import os
@@ -10,6 +11,7 @@ import subprocess
 import sys
 import weakref
 
+import jax
 import numpy as np
 import pytest
 import torch
@@ -734,6 +736,58 @@ def test_jit_state_is_what_outlives_the_step(mode):
     per_parameter = sum(p.numel() * p.element_size() for p in params)
     state_bytes = sum(math.prod(s.shape) * s.dtype.itemsize for s in step._state)
     assert state_bytes == 3 * per_parameter + 4 * len(params)
+
+
+def test_jit_replay_drops_last_steps_gradients_before_it_runs(monkeypatch):
+    """Note [The step's own tensors are released before it runs]: when a replay
+    launches, last step's gradients (which its zero_grad() drops) are no longer alive
+    beside the ones it makes. A replay that fails leaves those parameters without a
+    gradient, as an eager step failing past its zero_grad(), and the next call makes
+    them again: the losses are the CPU's without the failed step."""
+    from torchtpu.compile import program
+
+    live_at_launch, fail = [], [False]
+    call = program.Program.__call__
+
+    def launch(self, static, arrays, device=0):
+        jax.effects_barrier()
+        live_at_launch.append(sum(a.nbytes for a in jax.live_arrays()))
+        if fail[0]:
+            raise RuntimeError("the device gave up")
+        return call(self, static, arrays, device)
+
+    monkeypatch.setattr(program.Program, "__call__", launch)
+
+    def run(device, jit):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(64, 256), nn.Tanh(), nn.Linear(256, 64)).to(device)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        x = torch.randn(8, 64, generator=torch.Generator().manual_seed(1)).to(device)
+        step = _square_loss_step(model, opt)
+        return model, (torchtpu.jit(step) if jit else step), x
+
+    model, step, x = run("tpu", True)
+    losses = [step(x).item() for _ in range(3)]  # eager, traced, replayed
+    grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    gc.collect()
+    jax.effects_barrier()
+    before = sum(a.nbytes for a in jax.live_arrays())
+    losses.append(step(x).item())
+    assert live_at_launch[-1] <= before - grad_bytes + x.numel() * x.element_size()
+
+    fail[0] = True
+    with pytest.raises(RuntimeError, match="the device gave up"):
+        step(x)
+    assert all(p.grad is None for p in model.parameters())
+    fail[0] = False
+    losses.append(step(x).item())
+    assert all(p.grad is not None for p in model.parameters())
+
+    cpu_model, cpu_step, cpu_x = run("cpu", False)
+    expected = [cpu_step(cpu_x).item() for _ in range(5)]
+    torch.testing.assert_close(losses, expected, rtol=1e-5, atol=1e-6)
+    for p, q in zip(model.parameters(), cpu_model.parameters()):
+        torch.testing.assert_close(p.grad.cpu(), q.grad, rtol=1e-4, atol=1e-6)
 
 
 def test_jit_step_that_accumulates_gradients_keeps_them_as_state():

@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -102,3 +103,33 @@ def test_strict_mode_raises_the_same_error_at_the_next_read():
 def test_lowering_errors_name_the_op_in_both_modes(mode):
     with pytest.raises(RuntimeError, match="aten.mm.default"):
         torch.ones(2, 3, device="tpu") @ torch.ones(4, 5, device="tpu")
+
+
+def test_strict_waits_for_the_inputs_of_an_op_with_large_outputs(monkeypatch):
+    """Note [Strict waits before a large allocation]: in Strict an op whose new outputs
+    take ``strict_wait_fraction`` of the device's memory or more first waits for its
+    inputs. An in-place op whose old buffer it donates allocates nothing new and does
+    not, nor do smaller ops, Debug (which waits after every op) or DeferAndFuse; one
+    whose buffer is held elsewhere does. The values are the CPU's."""
+    from torchtpu import memory
+
+    monkeypatch.setattr(torchtpu.config, "strict_wait_fraction", 2**20 / memory.capacity(0))
+    a = torch.randn(512, 512)  # 1 MiB
+    x = a.to("tpu")
+    torchtpu.reset_metrics()
+    y = x @ x  # waits
+    small = x[:8] * 2  # 16 KiB: does not
+    y.add_(1)  # y's buffer is donated: does not
+    held = torchtpu.to_jax(y)
+    y.mul_(2)  # y's buffer is held: a new one, waits
+    with torch.tpu.set_eager_mode("debug"):
+        x * 3
+    with torch.tpu.set_eager_mode("defer"):
+        x * 4
+    assert torchtpu.metrics()["strict_waits"] == {"aten.mm.default": 1, "aten.mul_.Tensor": 1}
+    torch.testing.assert_close(y.cpu(), (a @ a + 1) * 2, rtol=1e-4, atol=1e-3)
+    torch.testing.assert_close(torch.from_numpy(np.asarray(held)), a @ a + 1, rtol=1e-4, atol=1e-3)
+    torch.testing.assert_close(small.cpu(), a[:8] * 2)
+    monkeypatch.setattr(torchtpu.config, "strict_wait_fraction", 0.0)
+    x @ x
+    assert sum(torchtpu.metrics()["strict_waits"].values()) == 2

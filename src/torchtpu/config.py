@@ -96,6 +96,12 @@ compile_cache_dir: str | None = _env_cache_dir()
 compile_cache_min_seconds: float = float(os.environ.get("TORCHTPU_COMPILE_CACHE_MIN_SECONDS", "0"))
 compile_cache_max_bytes: int = int(os.environ.get("TORCHTPU_COMPILE_CACHE_MAX_BYTES", "-1"))
 
+#: In Strict, an op whose outputs take at least this fraction of the device's memory
+#: first waits for its inputs to be computed, so that the buffers ops before it dropped
+#: are free when it allocates (Note [Strict waits before a large allocation] in
+#: dispatch/plans.py). 0 never waits.
+strict_wait_fraction: float = float(os.environ.get("TORCHTPU_STRICT_WAIT_FRACTION", str(1 / 32)))
+
 #: DeferAndFuse flushes when this many ops are queued (a bound on a chunk's size and
 #: on compile time, which grows faster than the size), even without a read of values.
 #: It also flushes at the end of every ``optimizer.step()``.

@@ -149,6 +149,23 @@ def reset_peak_memory_stats(device=None) -> None:
     _device_peak_at_reset[index] = _device_peak(_device_stats(devices()[index]) or {})
 
 
+_capacities: dict[int, int] = {}
+
+
+def capacity(index: int) -> int:
+    """The bytes of device ``index``'s memory: its limit where the backend reports one,
+    else the host's (the CPU backend's arrays live there). Looked up once: the
+    dispatcher asks on ops with large outputs."""
+    found = _capacities.get(index)
+    if found is None:
+        stats = _device_stats(devices()[index]) or {}
+        found = int(stats.get("bytes_limit", 0))
+        if not found:
+            found = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        _capacities[index] = found
+    return found
+
+
 def mem_get_info(device=None) -> tuple[int, int]:
     """(free, total) bytes of the device: its limit less what its allocator holds where
     the backend reports one, else the host's memory (the CPU backend's arrays live

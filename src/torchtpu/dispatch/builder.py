@@ -39,6 +39,8 @@ Note [Lowering results in Debug mode]
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch._prims_common import elementwise_dtypes
 
@@ -88,6 +90,7 @@ class Plan:
         "placed_calls",
         "traceable",
         "options",
+        "output_bytes",
     )
 
     def placed(self, index: int):
@@ -344,6 +347,7 @@ def build(op, lowering, info_: SchemaInfo, rules, values: list, call: Call) -> P
         (o.shape, dtypes.to_jax(o.dtype)) if o is not None else ((), None) for o in outputs
     ]
     plan.avals += [(call.storages[s].shape, dtypes.to_jax(call.storages[s].dtype)) for s in written]
+    plan.output_bytes = sum(math.prod(shape) * d.itemsize for shape, d in plan.avals if d is not None)
     plan.single = returns[0][1] if len(returns) == 1 and returns[0][0] == "tensor" else None
     plan.host_rule = _host_rule(plan, call, outputs) if policy.active() else None
     plan.traced_rule = _traced_rule(plan, call, outputs)
