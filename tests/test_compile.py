@@ -315,6 +315,64 @@ def test_the_backward_recomputes_what_is_cheap(monkeypatch):
     assert logits_kept == {True: 1, False: 2}
 
 
+@pytest.mark.parametrize("cast", ["float", "to", "float then view"])
+def test_a_compiled_loss_of_upcast_logits_keeps_the_16_bit_logits(monkeypatch, cast):
+    """Note [A compiled loss of upcast logits]: ``F.cross_entropy(logits.float(), t)``
+    of bfloat16 logits keeps the bfloat16 logits for the backward, not a float32
+    [tokens, vocabulary] array; loss and gradients as the CPU's. Where the float32 copy
+    is also returned, it is computed as written."""
+    from torchtpu.compile import backend
+
+    kept = []
+    compile_graph = backend._compile_graph
+
+    def spy(gm, example_inputs, forward=False, inference=False):
+        if forward:
+            kept.extend(v for v in backend._output_values(gm) if isinstance(v, torch.Tensor))
+        return compile_graph(gm, example_inputs, forward=forward, inference=inference)
+
+    monkeypatch.setattr(backend, "_compile_graph", spy)
+    batch, length, width, vocab = 2, 16, 32, 256
+    torch.manual_seed(0)
+    cpu_head = nn.Linear(width, vocab)
+    x = torch.randn(batch, length, width)
+    target = torch.randint(0, vocab, (batch, length))
+    target[0, :3] = -100  # ignored positions
+
+    def upcast(logits):  # as gpt.py, and as Transformers' ForCausalLMLoss
+        if cast == "float then view":
+            return logits.float().view(-1, vocab)
+        logits = logits.reshape(-1, vocab)
+        return logits.float() if cast == "float" else logits.to(torch.float32)
+
+    def loss_of(head, x, target, also_logits=False):
+        with torch.autocast(x.device.type, dtype=torch.bfloat16):
+            logits = head(x)
+        logits = upcast(logits)
+        loss = F.cross_entropy(logits, target.reshape(-1), label_smoothing=0.1)
+        return (loss, logits) if also_logits else loss
+
+    for also_logits in (False, True):
+        torch._dynamo.reset()
+        kept.clear()
+        expected = loss_of(cpu_head, x, target, also_logits)
+        (expected[0] if also_logits else expected).backward()
+        expected_grads = [p.grad for p in cpu_head.parameters()]
+        head = copy.deepcopy(cpu_head).to("tpu")
+        cpu_head.zero_grad()
+        head.zero_grad()
+        compiled = torch.compile(loss_of, backend="tpu")
+        result = compiled(head, x.to("tpu"), target.to("tpu"), also_logits)
+        (result[0] if also_logits else result).backward()
+        assert_same(result, expected, rtol=1e-5, atol=1e-5)
+        # As written, XLA may fold the logits' gradient's float32 -> bfloat16 rounding
+        # into the head's backward matmul: bfloat16's tolerance.
+        tolerance = dict(rtol=1.6e-2, atol=1e-3) if also_logits else dict(rtol=1e-5, atol=1e-6)
+        assert_same([p.grad for p in head.parameters()], expected_grads, **tolerance)
+        wide = [v for v in kept if v.dtype == torch.float32 and v.dim() == 2]
+        assert bool(wide) == also_logits, [(tuple(v.shape), v.dtype) for v in kept]
+
+
 def test_a_compiled_step_after_eager_steps_matches_cpu():
     """Eager steps make AdamW's state first, its ``step`` a 0-d CPU tensor; Dynamo
     moves it to the parameters' device when it compiles the step, as on CUDA."""

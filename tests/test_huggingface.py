@@ -170,3 +170,35 @@ def test_the_causal_lm_loss_keeps_the_16_bit_logits_not_their_float32_copy():
         out.loss.backward()
         grads[device] = model.lm_head.weight.grad.float().cpu()
     torch.testing.assert_close(grads["tpu"], grads["cpu"], rtol=2e-2, atol=2e-3)
+
+
+def test_a_compiled_causal_lm_keeps_the_16_bit_logits_for_its_loss(monkeypatch):
+    """Under ``torch.compile`` the forward graph keeps the bfloat16 logits for the
+    loss's backward, not ``ForCausalLMLoss``'s float32 copy (Note [A compiled loss of
+    upcast logits]); the gradients are the CPU's."""
+    from torchtpu.compile import backend
+
+    kept = []
+    compile_graph = backend._compile_graph
+
+    def spy(gm, example_inputs, forward=False, inference=False):
+        if forward:
+            kept.extend(v for v in backend._output_values(gm) if isinstance(v, torch.Tensor))
+        return compile_graph(gm, example_inputs, forward=forward, inference=inference)
+
+    monkeypatch.setattr(backend, "_compile_graph", spy)
+    torch._dynamo.reset()
+    model = _tiny_llama().to(torch.bfloat16)
+    generator = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, model.config.vocab_size, (2, 24), generator=generator)
+    grads = {}
+    for device in ("cpu", "tpu"):
+        model.zero_grad()
+        model.to(device)
+        run = torch.compile(model, backend="tpu") if device == "tpu" else model
+        run(input_ids=ids.to(device), labels=ids.to(device)).loss.backward()
+        grads[device] = model.lm_head.weight.grad.float().cpu()
+    vocab = model.config.vocab_size
+    logits = [v.dtype for v in kept if v.dim() >= 2 and v.shape[-1] == vocab]
+    assert logits and set(logits) == {torch.bfloat16}, logits
+    torch.testing.assert_close(grads["tpu"], grads["cpu"], rtol=2e-2, atol=2e-3)

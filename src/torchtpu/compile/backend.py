@@ -36,7 +36,7 @@ from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.backends.registry import register_backend
 
 from torchtpu import _compat, config, dtypes, tracing
-from torchtpu.compile import buckets, flex_attention, handles
+from torchtpu.compile import buckets, flex_attention, handles, upcast_loss
 from torchtpu.compile.program import Program, flatten_values, unflatten_values
 from torchtpu.compile.segments import Segmented, reads_values
 from torchtpu.dispatch import backward_errors, defer, effort, modes, nested
@@ -313,6 +313,7 @@ def tpu_backend(gm: torch.fx.GraphModule, example_inputs, **options):
         raise TypeError(f"torch.compile(backend='tpu') takes no options, got {sorted(options)}")
     if flex_attention.runs_eagerly(gm):
         return gm  # Note [A compiled flex_attention alone runs eagerly]
+    gm = upcast_loss.rewrite(gm)  # Note [A compiled loss of upcast logits]
     # Note [Compiling the backward while the forward compiles] (program.py)
     with _compat.aot_compiles_backward_with_forward():
         return _tpu_tensors_out(_aot_backend()(gm, example_inputs))

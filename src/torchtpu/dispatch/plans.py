@@ -71,6 +71,7 @@ def lowered_handler(entry: Entry):
     ops_run = metrics.counter("ops")
     op_cache = metrics.counter("op_cache")
     plans, get_default_dtype, record = _PLANS, torch.get_default_dtype, defer.record
+    large = memory.CHECKED_FROM  # outputs from this size may wait (_wait_if_large)
 
     if lowering.dynamic_shape:
 
@@ -114,7 +115,7 @@ def lowered_handler(entry: Entry):
                 if mode is _DEFER:
                     value = record(plan, call.arrays + call.scalars, plan.avals, None, 0)[0]
                 elif mode is _STRICT and plan.compiled and tracing._active is None:
-                    if plan.output_bytes >= memory.CHECKED_FROM:
+                    if plan.output_bytes >= large:
                         _wait_if_large(plan, call.arrays, 0)
                     scalars = call.scalars
                     value = plan.call(*call.arrays, *(as_arrays(scalars) if scalars else ()))[
