@@ -250,7 +250,7 @@ def _wait_if_large(plan: Plan, inputs: list, device: int, donated=(), args=()) -
         peaked at 8.7 GiB."""
     fraction = config.strict_wait_fraction
     new_bytes = plan.output_bytes - sum(args[i].nbytes for i in donated)
-    if fraction and new_bytes >= fraction * memory.capacity(device):
+    if fraction and new_bytes >= fraction * memory.capacity(device or 0):
         metrics.count("strict_waits", str(plan.op))
         array = array_type()
         jax().block_until_ready([a for a in inputs if type(a) is array])
