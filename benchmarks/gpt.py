@@ -29,8 +29,10 @@ share of the chip's peak (MFU, from nanoGPT's 6N + 12·layers·d·seq FLOPs per 
 ``--peak-tflops``, 197 for a TPU v5e's bfloat16), the ratio to JAX's step, and the
 process's peak memory with its ratio to JAX's: the device's peak bytes where JAX
 reports them (TPU, GPU: ``torch.tpu.max_memory_allocated()``, which on a TPU adds the
-bytes reserved for compiled programs' temporaries), else the peak resident memory (JAX's CPU backend keeps
-its arrays in the process; torch and JAX themselves are part of it). A path that fails
+peak of the bytes reserved for compiled programs' temporaries to the arrays' peak: two
+peaks that need not meet, so an upper bound; the arrays' peak is its own column), else
+the peak resident memory (JAX's CPU backend keeps its arrays in the process; torch and
+JAX themselves are part of it). A path that fails
 (out of memory) prints its error in its row and the others go on.
 """
 
@@ -225,14 +227,17 @@ def programs_compiled() -> int:
     return sum(torchtpu.metrics().get("compiles", {}).values())
 
 
-def peak_memory() -> int:
-    """Bytes: the device's peak where JAX reports one (TPU, GPU: ``torch.tpu``'s, which
-    counts a TPU's compiled programs' temporaries), else this process's peak resident
-    memory (VmHWM)."""
-    if jax.local_devices()[0].memory_stats():
-        return torch.tpu.max_memory_allocated()
+def peak_memory() -> tuple[int, int | None]:
+    """(bytes, bytes of arrays or None): the device's peak where JAX reports one (TPU,
+    GPU: ``torch.tpu``'s, which on a TPU adds the peak of its compiled programs'
+    temporaries to its arrays' peak -- two peaks that need not meet, so an upper bound)
+    and its arrays' peak alone; else this process's peak resident memory (VmHWM)."""
+    stats = jax.local_devices()[0].memory_stats()
+    if stats:
+        return torch.tpu.max_memory_allocated(), stats.get("peak_bytes_in_use")
     with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+        rss = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+    return rss, None
 
 
 def measure(step, mode: str | None, steps: int, repeat: int, first_calls: int = 1):
@@ -260,8 +265,8 @@ def measure(step, mode: str | None, steps: int, repeat: int, first_calls: int = 
 
 
 def run_path(path: str, args) -> tuple[float, float, int, int]:
-    """(first step seconds, median seconds per step, programs compiled, peak bytes) of
-    one path, in this process."""
+    """(first step seconds, median seconds per step, programs compiled, peak bytes,
+    arrays' peak bytes or None) of one path, in this process."""
     torch._dynamo.reset()
     if path == "jax":
         first, per_step, programs = measure(jax_step(args), None, args.steps, args.repeat)
@@ -272,7 +277,7 @@ def run_path(path: str, args) -> tuple[float, float, int, int]:
         first, per_step, programs = measure(
             torch_step(args, how), mode, args.steps, args.repeat, first_calls
         )
-    return first, per_step, programs, peak_memory()
+    return first, per_step, programs, *peak_memory()
 
 
 def run_child(path: str, cache: str, *options: str) -> tuple[float, float, int, int]:
@@ -342,9 +347,9 @@ def main():
     )
     print(
         "| path | first step | warm cache | programs | per step | tokens/s | MFU | vs jax.jit "
-        "| peak memory | vs jax.jit |"
+        "| peak memory | vs jax.jit | arrays' peak |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     rows, failed = {}, []
     for path in PATHS:
         if path not in args.only.split(","):
@@ -353,11 +358,12 @@ def main():
             rows[path] = (*run_path(path, args), None) if args.one_process else cold_and_warm(path)
         except Exception as exc:  # an out-of-memory path must not hide the others
             message = f"{type(exc).__name__}: {str(exc).splitlines()[0][:150]}"
-            print(f"| {path} | failed: {message} | | | | | | | | |", flush=True)
+            print(f"| {path} | failed: {message} | | | | | | | | | |", flush=True)
             traceback.print_exc(file=sys.stderr)
             failed.append(path)
             continue
-        first, per_step, programs, peak, warm = rows[path]
+        first, per_step, programs, peak, arrays, warm = rows[path]
+        arrays = "" if arrays is None else f"{arrays / 2**30:.2f} GiB"
         warm = "" if warm is None else f"{warm:.1f} s"
         mfu = flops / per_step / (args.peak_tflops * 1e12)
         floor = rows.get("jax")
@@ -367,7 +373,7 @@ def main():
         print(
             f"| {path} | {first:.1f} s | {warm} | {programs} | {per_step * 1e3:.1f} ms "
             f"| {args.batch * args.seq / per_step:,.0f} | {100 * mfu:.1f}% | {ratio} "
-            f"| {peak / 2**30:.2f} GiB | {peak_ratio} |",
+            f"| {peak / 2**30:.2f} GiB | {peak_ratio} | {arrays} |",
             flush=True,
         )
     # Only now does this process open the device: a TPU admits one process at a time.
