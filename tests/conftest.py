@@ -142,3 +142,21 @@ def assert_same(actual, expected, *, rtol=None, atol=None, check_stride=False):
         )
         return
     assert actual == expected, f"{actual!r} != {expected!r}"
+
+
+@pytest.fixture
+def forward_graph_outputs(monkeypatch) -> list:
+    """The tensors each ``torch.compile`` forward graph compiled from now on returns:
+    its results and what it keeps for its backward (fake tensors, as traced)."""
+    from torchtpu.compile import backend
+
+    outputs = []
+    compile_graph = backend._compile_graph
+
+    def spy(gm, example_inputs, forward=False, inference=False):
+        if forward:
+            outputs.extend(v for v in backend._output_values(gm) if isinstance(v, torch.Tensor))
+        return compile_graph(gm, example_inputs, forward=forward, inference=inference)
+
+    monkeypatch.setattr(backend, "_compile_graph", spy)
+    return outputs

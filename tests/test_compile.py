@@ -278,23 +278,13 @@ def test_a_compiled_step_never_donates_a_parameter_held_elsewhere():
     assert not torch.equal(model.weight.detach().cpu(), before)  # the step still updated it
 
 
-def test_the_backward_recomputes_what_is_cheap(monkeypatch):
+def test_the_backward_recomputes_what_is_cheap(monkeypatch, forward_graph_outputs):
     """Note [The backward recomputes what is cheap]: a compiled language-model loss
     keeps one float32 [tokens, vocabulary] array for its backward, where AOTAutograd's
     default partition (``compile_recompute = False``) keeps ``log_softmax``'s result
     and an alias of it, each an array of its own in an XLA program; both train as
     the CPU does."""
-    from torchtpu.compile import backend
-
-    kept = []
-    compile_graph = backend._compile_graph
-
-    def spy(gm, example_inputs, forward=False, inference=False):
-        if forward:  # what the forward graph returns: the loss and what it keeps
-            kept.extend(v for v in backend._output_values(gm) if isinstance(v, torch.Tensor))
-        return compile_graph(gm, example_inputs, forward=forward, inference=inference)
-
-    monkeypatch.setattr(backend, "_compile_graph", spy)
+    kept = forward_graph_outputs
     tokens, width, vocab = 64, 32, 512
     torch.manual_seed(0)
     cpu_head = nn.Linear(width, vocab)
@@ -316,22 +306,12 @@ def test_the_backward_recomputes_what_is_cheap(monkeypatch):
 
 
 @pytest.mark.parametrize("cast", ["float", "to", "float then view"])
-def test_a_compiled_loss_of_upcast_logits_keeps_the_16_bit_logits(monkeypatch, cast):
+def test_a_compiled_loss_of_upcast_logits_keeps_the_16_bit_logits(forward_graph_outputs, cast):
     """Note [A compiled loss of upcast logits]: ``F.cross_entropy(logits.float(), t)``
     of bfloat16 logits keeps the bfloat16 logits for the backward, not a float32
     [tokens, vocabulary] array; loss and gradients as the CPU's. Where the float32 copy
     is also returned, it is computed as written."""
-    from torchtpu.compile import backend
-
-    kept = []
-    compile_graph = backend._compile_graph
-
-    def spy(gm, example_inputs, forward=False, inference=False):
-        if forward:
-            kept.extend(v for v in backend._output_values(gm) if isinstance(v, torch.Tensor))
-        return compile_graph(gm, example_inputs, forward=forward, inference=inference)
-
-    monkeypatch.setattr(backend, "_compile_graph", spy)
+    kept = forward_graph_outputs
     batch, length, width, vocab = 2, 16, 32, 256
     torch.manual_seed(0)
     cpu_head = nn.Linear(width, vocab)

@@ -147,15 +147,19 @@ def test_trainer_trains_a_lora_adapter_on_tpu(tmp_path):
     assert lora_b and all(p.detach().abs().sum().item() > 0 for p in lora_b)  # trained from 0
 
 
+def _bfloat16_llama_and_tokens():
+    model = _tiny_llama().to(torch.bfloat16)
+    generator = torch.Generator().manual_seed(1)
+    return model, torch.randint(0, model.config.vocab_size, (2, 24), generator=generator)
+
+
 def test_the_causal_lm_loss_keeps_the_16_bit_logits_not_their_float32_copy():
     """Transformers' ``ForCausalLMLoss`` upcasts the logits before ``cross_entropy``:
     after the forward only the model's bfloat16 logits stay alive for the backward
     (Note [Saving the logits' values]), and the gradients are the CPU's."""
     import jax
 
-    model = _tiny_llama().to(torch.bfloat16)
-    generator = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, model.config.vocab_size, (2, 24), generator=generator)
+    model, ids = _bfloat16_llama_and_tokens()
     grads = {}
     for device in ("cpu", "tpu"):
         model.zero_grad()
@@ -172,25 +176,13 @@ def test_the_causal_lm_loss_keeps_the_16_bit_logits_not_their_float32_copy():
     torch.testing.assert_close(grads["tpu"], grads["cpu"], rtol=2e-2, atol=2e-3)
 
 
-def test_a_compiled_causal_lm_keeps_the_16_bit_logits_for_its_loss(monkeypatch):
+def test_a_compiled_causal_lm_keeps_the_16_bit_logits_for_its_loss(forward_graph_outputs):
     """Under ``torch.compile`` the forward graph keeps the bfloat16 logits for the
     loss's backward, not ``ForCausalLMLoss``'s float32 copy (Note [A compiled loss of
     upcast logits]); the gradients are the CPU's."""
-    from torchtpu.compile import backend
-
-    kept = []
-    compile_graph = backend._compile_graph
-
-    def spy(gm, example_inputs, forward=False, inference=False):
-        if forward:
-            kept.extend(v for v in backend._output_values(gm) if isinstance(v, torch.Tensor))
-        return compile_graph(gm, example_inputs, forward=forward, inference=inference)
-
-    monkeypatch.setattr(backend, "_compile_graph", spy)
+    kept = forward_graph_outputs
     torch._dynamo.reset()
-    model = _tiny_llama().to(torch.bfloat16)
-    generator = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, model.config.vocab_size, (2, 24), generator=generator)
+    model, ids = _bfloat16_llama_and_tokens()
     grads = {}
     for device in ("cpu", "tpu"):
         model.zero_grad()
