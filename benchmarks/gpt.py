@@ -264,7 +264,7 @@ def measure(step, mode: str | None, steps: int, repeat: int, first_calls: int = 
     return first, statistics.median(runs), programs_compiled() - compiled
 
 
-def run_path(path: str, args) -> tuple[float, float, int, int]:
+def run_path(path: str, args) -> tuple[float, float, int, int, int | None]:
     """(first step seconds, median seconds per step, programs compiled, peak bytes,
     arrays' peak bytes or None) of one path, in this process."""
     torch._dynamo.reset()
@@ -280,9 +280,9 @@ def run_path(path: str, args) -> tuple[float, float, int, int]:
     return first, per_step, programs, *peak_memory()
 
 
-def run_child(path: str, cache: str, *options: str) -> tuple[float, float, int, int]:
-    """`run_path` in a fresh process: this script again with ``--only path --child``,
-    with JAX's persistent cache in folder ``cache``."""
+def run_child(path: str, cache: str, *options: str) -> tuple:
+    """`run_path`'s row in a fresh process: this script again with ``--only path
+    --child``, with JAX's persistent cache in folder ``cache``."""
     argv, skip = [], False
     for arg in sys.argv[1:]:  # every option but --only
         if skip or arg == "--only" or arg.startswith("--only="):
@@ -299,9 +299,9 @@ def run_child(path: str, cache: str, *options: str) -> tuple[float, float, int, 
     return tuple(json.loads(rows[-1]))
 
 
-def cold_and_warm(path: str) -> tuple[float, float, int, int, float]:
-    """A path's row from a fresh process with an empty persistent cache, and the first
-    step of a second fresh process once the first filled it."""
+def cold_and_warm(path: str) -> tuple:
+    """A path's `run_path` row from a fresh process with an empty persistent cache, then
+    the first step's seconds of a second fresh process once the first filled it."""
     with tempfile.TemporaryDirectory(prefix="gpt-cache-") as cache:
         row = run_child(path, cache)
         warm = run_child(path, cache, "--steps", "1", "--repeat", "1")
