@@ -305,6 +305,121 @@ def test_a_copy_to_tpu_past_the_memory_fraction_is_out_of_memory(mode):
     assert torch.ones(4 << 20).to("tpu").sum().item() == 4 << 20
 
 
+def _mlp_step(path: str, width: int = 1024, batch: int = 512):
+    """An MLP's AdamW step on ``path``'s device ("cpu"; "defer": DeferAndFuse, "jit":
+    torchtpu.jit, "compile": torch.compile, on tpu), its arguments, the bytes of the
+    activations its backward reads (the hidden layers' inputs and outputs of GELU),
+    and the model."""
+    device = "cpu" if path == "cpu" else "tpu"
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(width, width), nn.GELU(), nn.Linear(width, width), nn.GELU(), nn.Linear(width, 8)
+    ).to(device)
+    opt = torch.optim.AdamW(model.parameters())
+    x = torch.randn(batch, width).to(device)
+    t = torch.randint(0, 8, (batch,)).to(device)
+
+    def step(x, t):
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(model(x), t)
+        loss.backward()
+        opt.step()
+        return loss
+
+    if path == "jit":
+        step = torchtpu.jit(step)
+    elif path == "compile":
+        step = torch.compile(step, backend="tpu")
+    return step, (x, t), 4 * batch * width * 4, model
+
+
+@pytest.mark.parametrize("path", ["defer", "jit", "compile"])
+def test_the_peak_inside_a_fused_or_compiled_step_is_seen(path):
+    """Issue 33 item 3: max_memory_allocated() after a step exceeds what the step keeps
+    by at least its activations, which exist only while it runs (a chunk's or compiled
+    program's temporaries and outputs). A TPU's own peak sees them; on the CPU backend,
+    which keeps none, torchtpu counts the arrays at each run of a program plus what XLA
+    says it adds (Note [A program's memory is known before it runs])."""
+    import gc
+
+    with torchtpu.set_eager_mode("defer" if path == "defer" else "strict"):
+        step, args, activations, _ = _mlp_step(path)
+        for _ in range(3):  # the optimizer's state, then torchtpu.jit's trace, exist
+            step(*args).item()
+        gc.collect()
+        torch.tpu.reset_peak_memory_stats()
+        steady = torch.tpu.memory_allocated()
+        loss = step(*args).item()
+        assert loss == loss  # a number: the step ran
+        assert torch.tpu.memory_allocated() <= steady + (1 << 20)
+        assert torch.tpu.max_memory_allocated() >= steady + activations
+
+
+def test_a_chunk_that_cannot_fit_raises_before_it_runs_naming_its_largest_part():
+    """Issue 33 item 5: a DeferAndFuse chunk's memory is known before it runs. Past the
+    process's limit it raises torch.OutOfMemoryError naming its parts (XLA's account),
+    its inputs are untouched, and the same ops at a smaller size then run and match the
+    CPU; explain() and metrics() show the programs' bytes."""
+    x_cpu = torch.randn(128, 1024)  # 512 KiB: each op's output is under the size an
+    total = torch.tpu.mem_get_info()[1]  # op is checked from when it is recorded
+
+    def f(x):
+        return [x * i for i in range(40)]  # 20 MiB of outputs: more than allowed
+
+    with torchtpu.set_eager_mode("defer"):
+        x = x_cpu.to("tpu")
+        try:
+            limit = torch.tpu.memory_allocated() + (8 << 20)
+            torch.tpu.set_per_process_memory_fraction(limit / total)
+            ys = f(x)
+            with pytest.raises(
+                torch.OutOfMemoryError,
+                match=r"a DeferAndFuse chunk of 40 ops \(.*test_device\.py:\d+ .*\) tried to "
+                r"allocate 20\.00 MiB.* it needs 20\.00 MiB of new outputs \(the largest\)",
+            ) as error:
+                ys[0].cpu()
+            assert "set_per_process_memory_fraction" in str(error.value)
+            with pytest.raises(RuntimeError, match="never computed: OutOfMemoryError"):
+                ys[1].cpu()  # a value whose chunk failed holds the error
+            del ys
+            explained = torchtpu.explain(f, x[:8])
+        finally:
+            torch.tpu.set_per_process_memory_fraction(1.0)
+        assert_same(explained.result, f(x_cpu[:8]))
+        assert_same(x, x_cpu)
+    (program,) = explained.programs
+    assert program["what"] == "a DeferAndFuse chunk of 40 ops"
+    assert program["bytes"].outputs - program["bytes"].aliased >= 40 * 8 * 1024 * 4
+    assert "programs' memory (XLA: arguments, new outputs, temporaries)" in str(explained)
+    assert torchtpu.metrics()["program_bytes"]["chunk outputs"] >= 40 * 8 * 1024 * 4
+
+
+def test_a_compiled_program_larger_than_the_device_raises_before_it_runs(monkeypatch):
+    """On a device that reports its memory, a program whose new outputs and temporaries
+    do not fit beside the arrays that exist raises torch.OutOfMemoryError before its
+    first run, naming its largest part; the parameters keep their values, and the next
+    call, with room, trains on as the CPU does."""
+    import torchtpu.memory as memory
+
+    step, args, _, model = _mlp_step("jit", width=512, batch=256)
+    step(*args).item()  # the eager first call
+    kept = [p.detach().cpu() for p in model.parameters()]
+    allocated = torch.tpu.memory_allocated()
+    stats = {"bytes_in_use": allocated, "peak_bytes_in_use": allocated, "bytes_limit": allocated + (1 << 20)}
+    monkeypatch.setattr(memory, "_device_stats", lambda chip: stats)
+    with pytest.raises(torch.OutOfMemoryError, match=r"a compiled step .* it needs .* \(the largest\).* is the device's memory"):
+        step(*args)
+    for p, before in zip(model.parameters(), kept):
+        assert_same(p, before)
+    monkeypatch.undo()
+    loss = step(*args)
+    cpu_step, cpu_args, _, cpu_model = _mlp_step("cpu", width=512, batch=256)
+    cpu_step(*cpu_args)
+    assert_same(loss, cpu_step(*cpu_args), rtol=1e-4, atol=1e-5)
+    for p, expected in zip(model.parameters(), cpu_model.parameters()):
+        assert_same(p, expected, rtol=1e-3, atol=1e-4)  # AdamW's steps scale differences up
+
+
 def test_torch_accelerator_memory_functions_answer_for_tpu():
     # torch's own need a C++ device allocator, which a Python backend has not (an
     # INTERNAL ASSERT); accelerate calls torch.accelerator.empty_cache() after training.

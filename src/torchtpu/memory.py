@@ -20,7 +20,11 @@ there is no cache of free blocks for torch to empty. As torch's, the numbers mea
   bound, the two peaks may come at different times) once it has grown past its value
   at the reset: that peak includes what a step holds while it runs (activations,
   temporaries, the old and new parameters of an update), which no call between steps
-  can see. On the CPU backend, which keeps no peak, a step's inner peak is not seen.
+  can see. Each run of a DeferAndFuse chunk or compiled program counts too: the bytes
+  in use then plus what XLA says the program adds (Note [A program's memory is known
+  before it runs]), which is how a step's inner peak is seen on the CPU backend, which
+  keeps no peak, and after a reset on a TPU; Strict's inner peak on the CPU backend is
+  seen only by the calls of these functions.
 
 Counted are buffers that exist: an uninitialised ``torch.empty`` tensor holds none
 until it is written, and a DeferAndFuse value none until its chunk runs;
@@ -31,7 +35,8 @@ backs off from a batch too large works unchanged: the device's own RESOURCE_EXHA
 (an op's program, a DeferAndFuse chunk, a compiled program) is raised as one
 (`out_of_memory`), and `set_per_process_memory_fraction` sets a limit that torchtpu's
 own count enforces before an eager op makes an output or a CPU tensor is copied to the
-device (`check_room`).
+device (`check_room`), and before a chunk or compiled program runs (`before_run`, which
+also raises for a program that cannot fit in the device's memory).
 
 torch 2.13's ``torch.accelerator.empty_cache()`` and ``memory_*`` ask the C++ allocator
 of the current accelerator, which a Python backend cannot provide (an INTERNAL ASSERT:
@@ -44,9 +49,12 @@ from __future__ import annotations
 import math
 import os
 import re
+from typing import NamedTuple
 
 import torch
 
+from torchtpu.observe import metrics
+from torchtpu.observe.locations import user_frame
 from torchtpu.runtime import devices, jax
 from torchtpu.runtime import index_of as _index
 
@@ -256,6 +264,114 @@ def _message(what, nbytes: int | None, device: int, why: str) -> str:
         f"tensors; {why.rstrip('.')}. Free the tensors you no longer need (del) or use a "
         "smaller batch."
     )
+
+
+class ProgramBytes(NamedTuple):
+    """A compiled program's memory, from XLA's analysis of it (Note [A program's memory
+    is known before it runs])."""
+
+    arguments: int
+    outputs: int
+    aliased: int  # of the outputs, the bytes written into donated arguments' buffers
+    temporaries: int
+
+    @property
+    def new(self) -> int:
+        """What running it adds to the device: its outputs not written into donated
+        arguments, and its temporaries."""
+        return self.outputs - self.aliased + self.temporaries
+
+    def parts(self) -> str:
+        """Its parts, largest first: "4.02 GiB of temporaries (the largest), 1.82 GiB of
+        arguments and 0.61 GiB of new outputs"."""
+        named = sorted(
+            [(self.temporaries, "temporaries"), (self.outputs - self.aliased, "new outputs"),
+             (self.arguments, "arguments")],
+            key=lambda part: -part[0],
+        )  # fmt: skip
+        first, second, third = (f"{_size(n)} of {name}" for n, name in named)
+        return f"{first} (the largest), {second} and {third}"
+
+
+def program_bytes(compiled) -> ProgramBytes | None:
+    """XLA's memory analysis of ``compiled`` (a ``jax.stages.Compiled``); None where the
+    backend gives none."""
+    try:
+        analysis = compiled.memory_analysis()
+    except Exception:  # a backend without the analysis (it is optional in PJRT)
+        return None
+    if analysis is None:
+        return None
+    return ProgramBytes(
+        analysis.argument_size_in_bytes, analysis.output_size_in_bytes,
+        analysis.alias_size_in_bytes, analysis.temp_size_in_bytes,
+    )  # fmt: skip
+
+
+def before_run(
+    program: ProgramBytes | None, kind: str, what: str, where, device: int, first: bool
+) -> None:
+    """Called before a DeferAndFuse chunk or a compiled program of ``kind`` ("chunk",
+    "graph", "step") runs, ``what`` naming it and ``where`` the user's line if known
+    (``first``: its first run, just compiled).
+
+    Note [A program's memory is known before it runs]
+        XLA knows a compiled program's memory before it runs: its arguments, outputs
+        (and which of them are written into donated arguments) and temporaries
+        (``Compiled.memory_analysis()``). A chunk or compiled program (``torch.compile``
+        graph, ``torchtpu.jit`` step) is compiled ahead of its first run to ask
+        (``jax.jit`` then finds it in its cache), and torchtpu uses the answer three ways:
+        - a program that cannot fit raises ``torch.OutOfMemoryError`` before it runs,
+          naming its largest part: its new bytes on top of the arrays that exist would
+          pass the limit ``set_per_process_memory_fraction`` set (checked at every run,
+          as eager ops are) or the device's own memory (at its first run: the arrays
+          and the program need not fit, whatever else happens);
+        - the peak (`max_memory_allocated`) counts, at each run of a program adding
+          1 MiB or more, the bytes in use then plus what it adds, so a fused or
+          compiled step's inner peak -- activations, temporaries, old and new
+          parameters -- is seen: on the CPU backend, which keeps no peak, and after a
+          reset on a TPU, whose own peak cannot be reset. The bytes in use are the
+          device's count where it keeps one (a call), else the live arrays' (a walk);
+          a TPU holds a program's temporaries for as long as it is loaded, counted in
+          its ``bytes_reserved`` (module docstring), so there they are not added again;
+        - ``metrics()["program_bytes"]`` keeps the largest parts of the programs of
+          each kind run since its reset, and ``torchtpu.explain`` lists each run's.
+        Strict's per-op programs are not analysed: their temporaries are small, and
+        the dispatcher's own check sees their outputs."""
+    if program is None:
+        return
+    largest = metrics.counter("program_bytes")
+    for part in ("arguments", "outputs", "temporaries"):
+        name = f"{kind} {part}"
+        largest[name] = max(largest[name], getattr(program, part))
+    if metrics._recorders:
+        metrics.event("program", what=what, where=where or user_frame(), bytes=program)
+    limit = limits.get(device)
+    if first and limit is None:
+        limit = int((_device_stats(devices()[device]) or {}).get("bytes_limit", 0)) or None
+    if program.new >= CHECKED_FROM:  # the peak while it runs
+        stats = _device_stats(devices()[device])
+        if stats and "bytes_reserved" in stats:  # a TPU: loaded programs' temporaries
+            running = int(stats["bytes_in_use"]) + int(stats["bytes_reserved"])
+            running += program.outputs - program.aliased
+        else:
+            running = int(stats["bytes_in_use"]) if stats else memory_allocated(device)
+            running += program.new
+        _peaks[device] = max(_peaks.get(device, 0), running)
+        _reserved_peaks[device] = max(_reserved_peaks.get(device, 0), running)
+    if limit is None:
+        return
+    allocated = memory_allocated(device)
+    needed = allocated + program.new
+    if needed > limit:
+        _out_of_memory_errors[device] = _out_of_memory_errors.get(device, 0) + 1
+        why = f"it needs {program.parts()} (its arguments exist already); {_size(limit)} " + (
+            "is allowed to this process (set_per_process_memory_fraction)"
+            if device in limits
+            else "is the device's memory"
+        )
+        where = where or user_frame()
+        raise torch.OutOfMemoryError(_message(f"{what} ({where})", program.new, device, why))
 
 
 def empty_cache() -> None:

@@ -121,6 +121,9 @@ class Program:
         self._donate = donate
         self._signatures: dict = {}
         self._avals: dict = {}  # signature -> (shape, dtype) of each output
+        # signature -> XLA's account of its memory (Note [A program's memory is known
+        # before it runs]); None where the backend gives none
+        self._memory: dict = {}
         self._queued: dict = {}  # signature -> its QueuedProgram
         # Note [Compiling the backward while the forward compiles]
         self._ahead: dict = {}  # signature -> (_Traced, Future of its compiled program)
@@ -161,9 +164,9 @@ class Program:
             else contextlib.nullcontext()
         )
         with compiling:
-            if ahead is not None:
-                ahead[1].exception()  # wait; had it failed, the call compiles and says why
             try:
+                if tracing._active is None and self._mesh is None:
+                    self._before_run(signature, ahead, static, seed, offset, arrays, device)
                 jitted = self._jitted if tracing._active is None else self._nested
                 outputs, flags = jitted(static, seed, offset, *arrays)
             except tracing.NeedsMesh as need:
@@ -199,6 +202,20 @@ class Program:
         if where is not None:  # last: a compile budget's error leaves the state consistent
             perf_warnings.note_compile_time(where, seconds, f"a compiled {self.kind}")
         return outputs, traced.layout
+
+    def _before_run(self, signature, ahead, static, seed, offset, arrays, device) -> None:
+        """Know the program's memory before it runs, and check it (Note [A program's
+        memory is known before it runs]); a new signature is compiled here (or its
+        compile ahead waited for), and the call finds it in ``jax.jit``'s cache."""
+        first = signature not in self._memory
+        if first:
+            if ahead is not None and ahead[1].exception() is None:
+                compiled = ahead[1].result()
+            else:  # had the compile ahead failed, this compile says why
+                compiled = self._jitted.lower(static, seed, offset, *arrays).compile()
+            self._memory[signature] = memory.program_bytes(compiled)
+        what = f"a compiled {self.kind}"
+        memory.before_run(self._memory[signature], self.kind, what, None, device, first)
 
     def compile_ahead(self, static, specs: list, device: int = 0) -> None:
         """Compile the signature of ``specs`` (``jax.ShapeDtypeStruct``s, as placed as

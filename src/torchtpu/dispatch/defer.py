@@ -281,11 +281,13 @@ def _forget(q: _Queue, position: int, n_externals: int) -> None:
 class _Chunk:
     """A compiled chunk: the jitted function and what its outputs mean."""
 
-    __slots__ = ("call", "flag_owners", "compiled")
+    __slots__ = ("call", "flag_owners", "compiled", "memory")
 
     def __init__(self, nodes_spec, live, donated: tuple, device: int):
         self.flag_owners: list[tuple[int, int]] = []  # (node position, check index) per flag
         self.compiled = False
+        # XLA's account of its memory (Note [A program's memory is known before it runs])
+        self.memory: memory.ProgramBytes | None = None
 
         def chunk(*externals):
             metrics.count("compiles", "chunk")
@@ -595,20 +597,19 @@ def _run(q: _Queue, reason: str, needed=()) -> dict:
         )  # fmt: skip
 
     inputs = [as_array(x) for x in q.externals]  # Note [Numbers as arrays]
-    compiling = (
-        progress.compiling(f"a DeferAndFuse chunk of {len(q.plans)} ops", where)
-        if not chunk.compiled
-        else _NOTHING
-    )
+    what = f"a DeferAndFuse chunk of {len(q.plans)} ops"
+    compiling = progress.compiling(what, where) if not chunk.compiled else _NOTHING
     try:
         start = time.perf_counter()
         with annotate_run(q, reason, where, compiled), compiling:  # on q.device: _Chunk
+            if not chunk.compiled:  # compiled here, found in jax.jit's cache by the call
+                chunk.memory = memory.program_bytes(chunk.call.lower(*inputs).compile())
+            memory.before_run(chunk.memory, "chunk", what, where, q.device, not chunk.compiled)
             values, flags = chunk.call(*inputs)
         if not chunk.compiled:
             chunk.compiled = True
             seconds = time.perf_counter() - start
             metrics.count("compile_seconds", "chunk", seconds)  # counted when it was made
-            what = f"a DeferAndFuse chunk of {len(q.plans)} ops"
             perf_warnings.note_compile_time(where or user_frame(), seconds, what)
             ops = tuple(plan.op for plan in q.plans)
             perf_warnings.note_chunk_compile(seconds, ops, where)

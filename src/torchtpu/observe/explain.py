@@ -33,6 +33,12 @@ class Explanation:
         return [details for kind, details in self.events if kind == "compile"]
 
     @property
+    def programs(self) -> list[dict]:
+        """Each run of a DeferAndFuse chunk or compiled program, with XLA's account of
+        its memory (``bytes``: arguments, outputs, aliased, temporaries)."""
+        return [details for kind, details in self.events if kind == "program"]
+
+    @property
     def fallbacks(self) -> list[dict]:
         return [details for kind, details in self.events if kind == "fallback"]
 
@@ -64,6 +70,15 @@ class Explanation:
                 f"    {i}. {f['reason']} at {f['where']}: {f['ops']} ops, "
                 f"{f['outputs']} outputs kept ({state})"
             )
+        if self.programs:
+            lines.append("  programs' memory (XLA: arguments, new outputs, temporaries):")
+            runs = collections.Counter((p["what"], p["where"], p["bytes"]) for p in self.programs)
+            for (what, where, b), n in runs.items():
+                parts = (b.arguments, b.outputs - b.aliased, b.temporaries)
+                lines.append(
+                    f"    {what} at {where}: " + ", ".join(_mib(x) for x in parts)
+                    + (f" ({n} runs)" if n > 1 else "")
+                )
         fallback = m.get("fallback", {})
         if fallback:
             lines.append("  CPU fallbacks (slow: no lowering):")
@@ -96,6 +111,10 @@ class Explanation:
         return "\n".join(lines)
 
     __repr__ = __str__
+
+
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / (1 << 20):.2f} MiB"
 
 
 def explain_call(fn, args, kwargs, finish) -> Explanation:

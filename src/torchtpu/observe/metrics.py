@@ -68,7 +68,10 @@ def metrics() -> dict[str, dict[str, float]]:
     run on the CPU, by op),
     ``decomposed`` (ops run through torch._decomp, by op), ``transfer_bytes``
     (``to_device``/``to_host``), ``collectives`` and ``collective_bytes``
-    (torch.distributed collectives by kind, and the bytes this rank contributed).
+    (torch.distributed collectives by kind, and the bytes this rank contributed),
+    ``program_bytes`` (the largest arguments, outputs and temporaries XLA reported for
+    a program of each kind run: ``"chunk temporaries"``, ``"graph outputs"``, ``"step
+    arguments"``; not a sum).
     """
     return {category: dict(counter) for category, counter in _counts.items() if counter}
 
