@@ -23,7 +23,12 @@ Two figures per cell:
 
 Workloads: an MLP of 6 linear layers (width 4096: 101M parameters, P = 384 MiB) with
 AdamW at batch 64; a GPT (benchmarks/gpt.py's, 4 layers, d 512, 8x256 tokens,
-float32) with AdamW; the MLP fine-tuned with gradient accumulation over 4 micro-batches. Paths: torch CPU, Strict,
+float32) with AdamW; the MLP fine-tuned with gradient accumulation over 4 micro-batches;
+a Transformers Llama (4 layers, d 512, vocab 8192, random weights) generating 256 tokens
+greedily with its static KV cache (``cache_implementation="static"``; each "step" a
+``generate()``; ``torch.compile`` compiles ``model.forward`` as Transformers' docs do, and
+torchtpu.jit does not apply), with a decode step's median time at tokens 8-16 against
+248-256 printed under the table. Paths: torch CPU, Strict,
 DeferAndFuse, ``torch.compile(step, backend="tpu")`` and ``torchtpu.jit(step)``; and
 torch CPU with ``AdamW(foreach=True)`` (PATHS). The ratio columns divide by the first
 path's peak growth (torch CPU's).
@@ -42,11 +47,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # CUDA and on tpu (a list of moment-sized temporaries per update), where on the CPU it
 # updates one parameter at a time: the like-for-like bar for the eager paths.
 PATHS = ("cpu", "cpu foreach", "strict", "defer", "compile", "jit")
-WORKLOADS = ("mlp adamw", "gpt adamw", "mlp accumulation")
+WORKLOADS = ("mlp adamw", "gpt adamw", "mlp accumulation", "generate static cache")
 
 # Run in a child process: prints one JSON line.
 _CELL = r"""
-import json, os, sys
+import json, os, sys, time
 sys.path.insert(0, {root!r})
 import torch, torch.nn as nn, torch.nn.functional as F
 import torchtpu
@@ -83,6 +88,29 @@ if workload.startswith("mlp"):
 
     def loss_of(i):
         return F.mse_loss(model(x[i]), y[i]) / micro
+elif workload.startswith("generate"):
+    from transformers import LlamaConfig, LlamaForCausalLM
+    d = max(64, int(512 * scale))
+    config = LlamaConfig(vocab_size=8192, hidden_size=d, intermediate_size=4 * d, num_hidden_layers=4,
+                         num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=512)
+    model = LlamaForCausalLM(config).eval().to(device)
+    prompt = torch.randint(0, 8192, (1, 8)).to(device)
+    if path == "compile":  # as Transformers' docs compile a model for generate()
+        model.forward = torch.compile(model.forward, backend="tpu")
+    if path == "jit":
+        raise SystemExit("n/a: generate() is a loop of forwards, not one step")
+    times = []
+
+    class Clock:  # a logits processor: called once per new token, after its forward
+        def __call__(self, input_ids, scores):
+            times.append(time.perf_counter())
+            return scores
+
+    def step():
+        with torch.no_grad():
+            out = model.generate(prompt, max_new_tokens=256, min_new_tokens=256, do_sample=False,
+                                 cache_implementation="static", logits_processor=[Clock()])
+        return out[0, -1]
 else:
     from benchmarks.gpt import GPT
     d = max(64, int(512 * scale))
@@ -94,19 +122,21 @@ else:
         logits = model(tokens[i, :, :-1])
         return F.cross_entropy(logits.reshape(-1, 8192), tokens[i, :, 1:].reshape(-1))
 
-opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True if path == "cpu foreach" else None)
+if not workload.startswith("generate"):
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True if path == "cpu foreach" else None)
+
+    def step():
+        opt.zero_grad()
+        for i in range(micro):
+            loss = loss_of(i)
+            loss.backward()
+        opt.step()
+        return loss
 
 
-def step():
-    opt.zero_grad()
-    for i in range(micro):
-        loss = loss_of(i)
-        loss.backward()
-    opt.step()
-    return loss
-
-
-if path == "compile":
+if workload.startswith("generate"):
+    pass
+elif path == "compile":
     step = torch.compile(step, backend="tpu")
 elif path == "jit":
     step = torchtpu.jit(step)
@@ -126,10 +156,15 @@ if None in (peak, peak_before):  # a sandbox without VmHWM (the TPU machine's, 2
 else:
     growth = peak - before if peak > peak_before or peak_before == before else None
 device_peak = device_bytes("peak_bytes_in_use", "peak_bytes_reserved")
-print(json.dumps({{
+result = {{
     "params": params, "growth": growth,
     "device": None if device_peak is None else device_peak - device_before,
-}}))
+}}
+if workload.startswith("generate"):  # the last run's decode steps: early against late
+    gaps = [b - a for a, b in zip(times[-256:], times[-255:])]
+    result["early"] = sorted(gaps[7:15])[4]  # tokens 8-16's median gap
+    result["late"] = sorted(gaps[-8:])[4]  # tokens 248-256's
+print(json.dumps(result))
 """
 
 
@@ -158,6 +193,7 @@ def main():
         f"{p}/cpu" for p in paths[1:]) + " | device peak (" + ", ".join(paths[1:])
         + ") | device peak / cpu growth |")  # fmt: skip
     print("|---" * (3 + 2 * (len(paths) - 1)) + "|---|---|")
+    notes = []
     for workload in WORKLOADS:
         if args.only not in workload:
             continue
@@ -169,7 +205,7 @@ def main():
 
         def units(c, key="growth", params=params):
             if "error" in c:
-                return f"failed: {c['error']}"
+                return "n/a" if c["error"].startswith("n/a") else f"failed: {c['error']}"
             return "-" if c.get(key) is None else f"{c[key] / params:.2f} P"
 
         base = cells[paths[0]].get("growth")
@@ -188,6 +224,17 @@ def main():
             + ", ".join(ratios("device")) + " |",
             flush=True,
         )  # fmt: skip
+        decoded = [(p, c) for p, c in cells.items() if "early" in c]
+        if decoded:  # issue 33: a decode step's time is flat as the static cache fills
+            notes.append(
+                f"{workload}, a decode step at tokens 8-16 / 248-256 (median): "
+                + "; ".join(
+                    f"{p} {c['early'] * 1e3:.1f} / {c['late'] * 1e3:.1f} ms ({c['late'] / c['early']:.2f}x)"
+                    for p, c in decoded
+                )
+            )
+    for line in notes:
+        print(f"\n{line}")
 
 
 if __name__ == "__main__":
