@@ -133,13 +133,10 @@ if not workload.startswith("generate"):
         opt.step()
         return loss
 
-
-if workload.startswith("generate"):
-    pass
-elif path == "compile":
-    step = torch.compile(step, backend="tpu")
-elif path == "jit":
-    step = torchtpu.jit(step)
+    if path == "compile":
+        step = torch.compile(step, backend="tpu")
+    elif path == "jit":
+        step = torchtpu.jit(step)
 params = sum(p.numel() * p.element_size() for p in model.parameters())
 import gc; gc.collect()
 try:

@@ -214,13 +214,16 @@ def check_room(nbytes: int, what, device: int) -> None:
     limit = limits.get(device)
     if limit is None or nbytes < CHECKED_FROM:
         return
-    allocated = memory_allocated(device)
-    if allocated + nbytes > limit:
-        _out_of_memory_errors[device] = _out_of_memory_errors.get(device, 0) + 1
-        raise torch.OutOfMemoryError(
-            _message(what, nbytes, device, f"{_size(limit)} allowed to this process "
-                     "(set_per_process_memory_fraction)")
-        )  # fmt: skip
+    if memory_allocated(device) + nbytes > limit:
+        why = f"{_size(limit)} allowed to this process (set_per_process_memory_fraction)"
+        raise _refused(what, nbytes, device, why)
+
+
+def _refused(what, nbytes: int | None, device: int, why: str) -> torch.OutOfMemoryError:
+    """The torch.OutOfMemoryError for ``what``, counted as CUDA's allocator counts its
+    out-of-memory errors (``memory_stats()["num_ooms"]``)."""
+    _out_of_memory_errors[device] = _out_of_memory_errors.get(device, 0) + 1
+    return torch.OutOfMemoryError(_message(what, nbytes, device, why))
 
 
 def out_of_memory(exc: BaseException, what, device: int) -> BaseException:
@@ -229,9 +232,8 @@ def out_of_memory(exc: BaseException, what, device: int) -> BaseException:
     text = str(exc)
     if "RESOURCE_EXHAUSTED" not in text or isinstance(exc, torch.OutOfMemoryError):
         return exc
-    error = torch.OutOfMemoryError(_message(what, _asked(text), device, text.splitlines()[0]))
+    error = _refused(what, _asked(text), device, text.splitlines()[0])
     error.__cause__ = exc
-    _out_of_memory_errors[device] = _out_of_memory_errors.get(device, 0) + 1
     return error
 
 
@@ -308,6 +310,11 @@ def program_bytes(compiled) -> ProgramBytes | None:
     )  # fmt: skip
 
 
+# Per kind of program, its names in metrics()["program_bytes"] (made once: before_run
+# runs at every chunk's and compiled program's run).
+_part_names: dict[str, tuple[str, str, str]] = {}
+
+
 def before_run(
     program: ProgramBytes | None, kind: str, what: str, where, device: int, first: bool
 ) -> None:
@@ -341,37 +348,38 @@ def before_run(
     if program is None:
         return
     largest = metrics.counter("program_bytes")
-    for part in ("arguments", "outputs", "temporaries"):
-        name = f"{kind} {part}"
-        largest[name] = max(largest[name], getattr(program, part))
+    names = _part_names.get(kind) or _part_names.setdefault(
+        kind, (f"{kind} arguments", f"{kind} outputs", f"{kind} temporaries")
+    )
+    for name, nbytes in zip(names, (program.arguments, program.outputs, program.temporaries)):
+        if nbytes > largest.get(name, -1):
+            largest[name] = nbytes
     if metrics._recorders:
         metrics.event("program", what=what, where=where or user_frame(), bytes=program)
     limit = limits.get(device)
-    if first and limit is None:
-        limit = int((_device_stats(devices()[device]) or {}).get("bytes_limit", 0)) or None
-    if program.new >= CHECKED_FROM:  # the peak while it runs
-        stats = _device_stats(devices()[device])
-        if stats and "bytes_reserved" in stats:  # a TPU: loaded programs' temporaries
+    tracked = program.new >= CHECKED_FROM  # its run may be the peak
+    if not (tracked or first or limit is not None):
+        return
+    stats = _device_stats(devices()[device]) or {}
+    if limit is None and first:
+        limit = int(stats.get("bytes_limit", 0)) or None
+    walk = limit is not None or (tracked and "bytes_in_use" not in stats)
+    allocated = memory_allocated(device) if walk else None
+    if tracked:
+        if "bytes_reserved" in stats:  # a TPU: loaded programs' temporaries are reserved
             running = int(stats["bytes_in_use"]) + int(stats["bytes_reserved"])
             running += program.outputs - program.aliased
         else:
-            running = int(stats["bytes_in_use"]) if stats else memory_allocated(device)
-            running += program.new
+            running = int(stats.get("bytes_in_use", allocated)) + program.new
         _peaks[device] = max(_peaks.get(device, 0), running)
         _reserved_peaks[device] = max(_reserved_peaks.get(device, 0), running)
-    if limit is None:
-        return
-    allocated = memory_allocated(device)
-    needed = allocated + program.new
-    if needed > limit:
-        _out_of_memory_errors[device] = _out_of_memory_errors.get(device, 0) + 1
+    if limit is not None and allocated + program.new > limit:
         why = f"it needs {program.parts()} (its arguments exist already); {_size(limit)} " + (
             "is allowed to this process (set_per_process_memory_fraction)"
             if device in limits
             else "is the device's memory"
         )
-        where = where or user_frame()
-        raise torch.OutOfMemoryError(_message(f"{what} ({where})", program.new, device, why))
+        raise _refused(f"{what} ({where or user_frame()})", program.new, device, why)
 
 
 def empty_cache() -> None:
