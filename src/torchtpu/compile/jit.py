@@ -36,6 +36,7 @@ computed in float32 on the device instead of in Python floats (last-digit differ
 from __future__ import annotations
 
 import functools
+import gc
 import sys
 import weakref
 
@@ -48,7 +49,7 @@ from torchtpu.compile.program import Program, tensor_of
 from torchtpu.dispatch import core as dispatch
 from torchtpu.dispatch import defer
 from torchtpu.dispatch.values import materialize
-from torchtpu.observe import perf_warnings
+from torchtpu.observe import metrics, perf_warnings
 from torchtpu.observe.locations import user_frame
 from torchtpu.runtime import jax
 from torchtpu.storage import Storage
@@ -234,17 +235,24 @@ class StepFunction:
                 # Its storage, this list and getrefcount's argument: nobody else holds it.
                 if sys.getrefcount(inputs[i]) > 3:
                     inputs[i] = jax().numpy.array(inputs[i], copy=True)
+                    metrics.count("copied_to_donate", "step")
             inputs += arg_arrays
             released = _release_created(variant.layout)
             try:
                 outputs, _ = variant.program(signature, inputs)
             except _Rediscover:
                 self._variants.clear()  # the state grew: every program takes new inputs
-                continue
             except BaseException:
                 _drop_released_grads(variant.layout, released)
                 raise
-            return self._write_back(variant.layout, state, outputs)
+            else:
+                return self._write_back(variant.layout, state, outputs)
+            # The abandoned trace's frames hold the state's arrays in reference cycles
+            # with its exception; alive, they would make the next call copy what it
+            # donates (Note [Donating the step's state]): 3x an MLP's parameters at its
+            # peak. They are collectable once the exception is handled.
+            del inputs, state
+            gc.collect()
         raise RuntimeError(
             f"torchtpu.jit: each trace of {self.fn} touched tensors that existed before it "
             "but that no earlier call had used; pass such tensors as arguments"

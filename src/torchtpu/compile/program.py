@@ -95,6 +95,17 @@ class _Traced(NamedTuple):
     layout: object
     draws: int  # random ops: the RNG offset advances by this much per run
     check_infos: list  # (exception type, message, op) per check flag output
+    # Note [A program returns its unchanged inputs as they are]: (output position,
+    # input position) of each output that is an input's array, by output position
+    forwarded: tuple = ()
+
+    def outputs(self, returned: list, arrays) -> list:
+        """The program's outputs: what it ``returned``, with each forwarded input's array
+        from the call's ``arrays`` put back in its place."""
+        outputs = list(returned)
+        for k, i in self.forwarded:  # in order of k: each lands where it was
+            outputs.insert(k, arrays[i])
+        return outputs
 
 
 class Program:
@@ -136,8 +147,17 @@ class Program:
         with trace(seed, offset) as t:
             t.mesh = self._mesh
             outputs, layout = self._trace_fn(static, arrays)
-        self._last = _Traced(layout, t.draws, [(e, m, op) for _, e, m, op in t.checks])
-        return list(outputs), [flag for flag, *_ in t.checks]
+        # Note [A program returns its unchanged inputs as they are]
+        donated = set(self._donate)
+        inputs = {id(a): i for i, a in enumerate(arrays) if i not in donated}
+        forwarded = tuple(
+            (k, inputs[id(o)]) for k, o in enumerate(outputs) if id(o) in inputs
+        )
+        kept = [o for o in outputs if id(o) not in inputs]
+        self._last = _Traced(
+            layout, t.draws, [(e, m, op) for _, e, m, op in t.checks], forwarded
+        )
+        return kept, [flag for flag, *_ in t.checks]
 
     def _over_mesh(self, devices: tuple) -> None:
         """From now on, trace and run as one SPMD program over ``devices``."""
@@ -183,12 +203,14 @@ class Program:
             # persistent cache) a program, or waited for its compile ahead. The seconds
             # include its first run.
             traced = self._signatures[signature] = self._last if ahead is None else ahead[0]
+            outputs = traced.outputs(outputs, arrays)
             self._avals[signature] = [(tuple(o.shape), o.dtype) for o in outputs]
             where, seconds = user_frame(), time.perf_counter() - start
             metrics.count("compiles", self.kind)
             metrics.count("compile_seconds", self.kind, seconds)
             metrics.event("compile", op=f"compiled {self.kind}", where=where)
         else:
+            outputs = traced.outputs(outputs, arrays)
             where = None
         metrics.count("compiled_calls", self.kind)
         rng.advance(device, traced.draws)
@@ -287,7 +309,7 @@ class QueuedProgram(defer.FunctionOp):
         def caller(jitted):
             def run(seed, offset, *arrays):
                 outputs, flags = jitted(static, seed, offset, *arrays)
-                return (*outputs, *flags)
+                return (*traced.outputs(outputs, arrays), *flags)
 
             return run
 
