@@ -65,6 +65,7 @@ from torchtpu.dispatch import core
 from torchtpu.ops import TABLE
 
 torchtpu.config.recompile_warn_after = 2
+torchtpu.config.small_ops_on_cpu = False  # the cells below recompile small tensors on purpose
 torchtpu.config.flush_warn_after = 3
 aten = torch.ops.aten
 table = torch.randn(10, 4, device="tpu")

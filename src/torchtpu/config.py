@@ -36,6 +36,12 @@ eager_mode: str = _env_mode()
 #: warned once per op). When False such ops raise NotImplementedError naming the op.
 cpu_fallback: bool = _env_flag("TORCHTPU_CPU_FALLBACK", True)
 
+#: A small op (tensors of 16 KiB or less) from a line that keeps meeting new shapes -- a
+#: decoding loop's growing ``input_ids`` -- runs on the CPU instead of compiling an XLA
+#: program for each shape (Note [Small ops of changing shapes run on the CPU] in
+#: dispatch/small_ops.py; counted in ``metrics()["small_ops_on_cpu"]``).
+small_ops_on_cpu: bool = _env_flag("TORCHTPU_SMALL_OPS_ON_CPU", True)
+
 #: JAX's asynchronous dispatch on its CPU backend. It gains nothing for small ops and
 #: costs a lot under contention (DESIGN.md §8), so it is off unless asked for. It only
 #: takes effect before the JAX backend starts.

@@ -91,6 +91,7 @@ class Plan:
         "traceable",
         "options",
         "output_bytes",
+        "on_cpu",
     )
 
     def placed(self, index: int):
@@ -220,6 +221,7 @@ def build(op, lowering, info_: SchemaInfo, rules, values: list, call: Call) -> P
     plan.check_infos = []
     plan.mismatch = None
     plan.fast = False  # set once traced (plans.py _note_fast)
+    plan.on_cpu = None  # Note [Small ops of changing shapes run on the CPU]
     plan.names = names
     written: list[int] = []
     for t in targets:

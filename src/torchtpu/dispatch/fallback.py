@@ -27,9 +27,6 @@ _warned: set = set()
 
 
 def run_on_cpu(func, args, kwargs):
-    from torchtpu.dispatch.values import from_cpu, host_value
-    from torchtpu.tensor import TPUTensor
-
     if tracing._active is not None:
         tracing.refuse("it has no tpu lowering, so it would run on the CPU", func)
     if not config.cpu_fallback:
@@ -56,6 +53,15 @@ def run_on_cpu(func, args, kwargs):
             TPUFallbackWarning,
             stacklevel=user_stacklevel(),
         )
+
+    return compute_on_cpu(func, args, kwargs)
+
+
+def compute_on_cpu(func, args, kwargs):
+    """``func``'s CPU kernel on copies of the tpu tensors in ``args`` and ``kwargs``:
+    the mutated arguments written back, the results copied to the tpu device."""
+    from torchtpu.dispatch.values import from_cpu, host_value
+    from torchtpu.tensor import TPUTensor
 
     device = None
     originals: dict[int, TPUTensor] = {}

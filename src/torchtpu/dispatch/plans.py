@@ -16,7 +16,7 @@ import torch
 
 from torchtpu import config, dtypes, memory, rng, tracing
 from torchtpu import matmul_precision as _precision
-from torchtpu.dispatch import checks, defer, host, modes
+from torchtpu.dispatch import checks, defer, host, modes, small_ops
 from torchtpu.dispatch import meta as oracle
 from torchtpu.dispatch.builder import Plan, build, eager_program, flatten_result
 from torchtpu.dispatch.modes import EagerMode
@@ -131,6 +131,11 @@ def lowered_handler(entry: Entry):
                 t = _make_wrapper(TPUTensor, shape, strides=strides, dtype=dtype, device=_TPU0)
                 t._storage, t._chain, t._meta = Storage(value, shape, strides, dtype, 0), (), meta
                 return t
+        if plan.on_cpu is not None and tracing._active is None:
+            # Note [Small ops of changing shapes run on the CPU] (small_ops.py)
+            result = small_ops.run(plan, func, args, kwargs)
+            if result is not None:
+                return result
         try:
             if mode is not _DEFER:
                 outputs, bases = _execute(plan, call, device, mode is _DEBUG)
@@ -167,6 +172,8 @@ def _miss(entry: Entry, values, key, mode) -> Plan:
     plan = build(op, entry.lowering, entry.info, entry.rules, bound, scan(op, entry.rules, bound))
     plan.key = key
     _PLANS.insert(key, plan)
+    if tracing._active is None and small_ops.route(plan, op, bound):
+        return plan  # it runs on the CPU: nothing compiles
     # In DeferAndFuse chunks compile, and in a trace the program does.
     if mode is not _DEFER and tracing._active is None:
         where = user_frame()
