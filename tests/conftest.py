@@ -18,6 +18,10 @@ from torchtpu.observe import compare
 _shared_cache = os.environ.get("TORCHTPU_TEST_COMPILE_CACHE")
 os.environ["TORCHTPU_COMPILE_CACHE_DIR"] = "0"
 torchtpu.config.compile_cache_dir = _shared_cache or None
+# The suite tests the lowerings: a sample loop meeting new small shapes would otherwise
+# soon run torch's CPU kernels instead, comparing the CPU with itself. Note [Small ops
+# of changing shapes run on the CPU] is tested where it is turned on (test_small_ops.py).
+torchtpu.config.small_ops_on_cpu = False
 
 
 def _start_on_accelerator() -> str | None:
@@ -98,10 +102,11 @@ def _fresh_state(request):
     CPU fallback unless marked ``allow_fallback``: the ops the suite covers must have
     lowerings. (Checked here rather than by turning TPUFallbackWarning into an error:
     an exception raised from a warning inside autograd's engine aborts the process.)"""
-    from torchtpu.dispatch import checks
+    from torchtpu.dispatch import checks, small_ops
 
     torchtpu.reset_metrics()
     checks._pending.clear()
+    small_ops.reset()  # a line of one test is not "changing" for meeting another's shapes
     yield
     checks._pending.clear()
     fallbacks = torchtpu.metrics().get("fallback")

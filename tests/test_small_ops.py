@@ -11,6 +11,11 @@ from torchtpu import config
 from torchtpu.dispatch import small_ops
 
 
+@pytest.fixture(autouse=True)
+def _small_ops_on_cpu(monkeypatch):
+    monkeypatch.setattr(config, "small_ops_on_cpu", True)  # the default; conftest's is off
+
+
 def _compiles() -> int:
     compiles = torchtpu.metrics().get("compiles", {})
     return compiles.get("op", 0) + compiles.get("chunk", 0)

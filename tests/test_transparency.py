@@ -22,9 +22,6 @@ def _fresh_warnings(monkeypatch):
     perf_warnings.reset()
     monkeypatch.setattr(config, "recompile_warn_after", 4)
     monkeypatch.setattr(config, "flush_warn_after", 5)
-    # These tests recompile small tensors on purpose; by default such a line's ops would
-    # soon run on the CPU instead (tests/test_small_ops.py).
-    monkeypatch.setattr(config, "small_ops_on_cpu", False)
     yield
     perf_warnings.reset()
 

@@ -81,8 +81,10 @@ def compute_on_cpu(func, args, kwargs):
     cpu_args = tree_map(to_cpu, args)
     cpu_kwargs = tree_map(to_cpu, kwargs)
     result = func(*cpu_args, **cpu_kwargs)
-    if device is None:
-        device = 0
+    if device is None:  # a factory given device="tpu": the current device, as on CUDA
+        from torchtpu.runtime import current_index
+
+        device = current_index()
 
     # Write back every argument the op mutated.
     for i, arg in enumerate(func._schema.arguments):
