@@ -23,6 +23,7 @@ import torchtpu.compile.backend  # noqa: F401  (the Dynamo options it sets apply
 from conftest import assert_same
 from test_training import _CNN, _Block, _mlp, _mlp_batch
 from torchtpu import _compat
+from torchtpu.dispatch import modes
 
 aten = torch.ops.aten
 
@@ -813,6 +814,26 @@ def test_jit_in_every_mode(mode):
         return [step(x).item() for _ in range(4)]
 
     torch.testing.assert_close(run("tpu", True), run("cpu", False))
+
+
+@pytest.mark.parametrize("mode", ["strict", "debug"])
+def test_jit_first_call_runs_fused_unless_debugging(mode):
+    """Note [The first call runs fused] (jit.py): in Strict, the eager first call runs as
+    DeferAndFuse chunks, not a program per op; Debug keeps its op-by-op errors."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 2)).to("tpu")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    step = torchtpu.jit(_square_loss_step(model, opt))
+    x = torch.randn(8, 4).to("tpu")
+    torchtpu.reset_metrics()
+    with torchtpu.set_eager_mode(mode):
+        step(x).item()
+        assert modes.current() is modes.to_mode(mode)  # given back
+    compiles = torchtpu.metrics()["compiles"]
+    if mode == "strict":
+        assert compiles.get("op", 0) == 0 and compiles["chunk"] >= 1
+    else:
+        assert compiles["op"] >= 8 and "chunk" not in compiles
 
 
 def test_jit_state_is_what_outlives_the_step(mode):
