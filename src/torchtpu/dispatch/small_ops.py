@@ -12,11 +12,11 @@ Note [Small ops of changing shapes run on the CPU]
     makes each token anyway (to test whether it has finished).
 
     So at a plan cache miss (a new signature), a call whose tensors are all small
-    (`SMALL_BYTES` each, its outputs too) from an (op, user line) whose calls changed
-    signature between `CHANGING` different pairs of the program's reads of values or
-    optimizer steps (a line that meets new shapes over a loop's steps, not a first step
-    or a model's initialisation compiling many shapes at once, nor a training loop whose
-    second step runs a few programs more; cf. Note [What counts as recompiling]) runs on
+    (`SMALL_BYTES` each, its outputs too) from an (op, user line) whose calls took
+    `CHANGING` signatures, each first met after another of the program's reads of values
+    or optimizer steps (a line that meets new shapes over a loop's steps, not a first
+    step or a model's initialisation compiling many shapes at once, nor a training loop
+    whose second step runs a few programs more; cf. Note [What counts as recompiling]) runs on
     the CPU through torch's own kernel, exactly as the CPU fallback runs an op
     (fallback.py `compute_on_cpu`). Its plan is marked, so a later call of that
     signature from such a line runs on the CPU too -- until the signature recurs often
@@ -51,8 +51,9 @@ SMALL_BYTES = 1 << 14
 # of small ops on the CPU of its previous one.
 RECUR, RECUR_WITHIN = 3, 64
 
-# An (op, line) is changing once its calls took another signature at CHANGING different
-# times (a training loop's first and second steps run different programs from some lines).
+# An (op, line) is changing once its calls took CHANGING signatures, each first at a
+# different time (a training loop's first and second steps run different programs from
+# some lines: two).
 CHANGING = 3
 # (op, user line) -> [uid of the plan it last called, the time it changed to it, how
 # many different times it changed]
