@@ -172,7 +172,7 @@ def _miss(entry: Entry, values, key, mode) -> Plan:
     plan = build(op, entry.lowering, entry.info, entry.rules, bound, scan(op, entry.rules, bound))
     plan.key = key
     _PLANS.insert(key, plan)
-    if tracing._active is None and small_ops.route(plan, op, bound):
+    if tracing._active is None and small_ops.route(plan, bound):
         return plan  # it runs on the CPU: nothing compiles
     # In DeferAndFuse chunks compile, and in a trace the program does.
     if mode is not _DEFER and tracing._active is None:

@@ -81,8 +81,9 @@ def _changing(plan, where: str) -> bool:
     return line[2] >= CHANGING
 
 
-def route(plan, op, values) -> bool:
+def route(plan, values) -> bool:
     """At ``plan``'s cache miss: whether it runs on the CPU; marks it so."""
+    op = plan.op
     if (
         not config.small_ops_on_cpu
         or plan.random
