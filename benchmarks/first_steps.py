@@ -11,7 +11,9 @@ process: a step with a smaller batch (the ragged last batch of an epoch) and, fo
 language model, a step with a longer sequence: each a new shape. Every tpu path runs
 twice: with JAX's persistent compilation cache empty (cold), then in a new process with
 the cache the first one filled (warm). Columns: wall seconds, XLA programs compiled and
-the seconds spent compiling them (torchtpu.metrics), for Strict, DeferAndFuse and
+the seconds spent compiling them (torchtpu.metrics; compiles on worker threads overlap,
+so this can exceed the wall time), for Strict, Strict compiling each op's program in the
+call ("strict-inline": ``config.background_compiles = False``), DeferAndFuse and
 ``torchtpu.jit`` (its first step is its first two calls: one eager, finding the state,
 then the trace and compile of the whole step as one program), beside torch's CPU first
 step. The last column is a second step of the first shape (DeferAndFuse compiles a
@@ -35,7 +37,7 @@ sys.path.insert(0, ROOT)
 from benchmarks.cells import run_cell  # noqa: E402
 
 WORKLOADS = ("mlp", "llama", "unet2d", "mobilenetv3")
-PATHS = ("cpu", "strict", "defer", "jit")
+PATHS = ("cpu", "strict", "strict-inline", "defer", "jit")
 _LIBRARY = {"llama": "transformers", "unet2d": "diffusers", "mobilenetv3": "timm"}
 
 
@@ -108,6 +110,8 @@ def child(workload: str, path: str, tiny: bool) -> dict:
     device = "cpu" if path == "cpu" else "tpu"
     if path == "defer":
         torch.tpu.set_eager_mode("defer")
+    if path == "strict-inline":  # each op compiles before it returns, as before 2026-12-07
+        torchtpu.config.background_compiles = False
     model, batch, size, length = _model_and_batches(workload, tiny)
     model = model.to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)

@@ -165,3 +165,21 @@ def forward_graph_outputs(monkeypatch) -> list:
 
     monkeypatch.setattr(backend, "_compile_graph", spy)
     return outputs
+
+
+@pytest.fixture
+def xla_compiles():
+    """How many programs XLA has compiled since the test began: JAX's own count, which
+    sees a compile that none of torchtpu's caches counted (a cached program called
+    with arguments JAX tells apart)."""
+    import jax.monitoring
+
+    count = [0]
+
+    def listener(event, seconds, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration":
+            count[0] += 1
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    yield count
+    jax.monitoring.unregister_event_duration_listener(listener)

@@ -72,7 +72,12 @@ def test_defaults_left_out_or_given_compute_the_same():
 def _plant(monkeypatch, op, fn):
     """Replace ``op``'s lowering by ``fn`` for one test (and forget cached plans)."""
     monkeypatch.setitem(TABLE, op, dataclasses.replace(TABLE[op], fn=fn))
-    monkeypatch.delitem(core._HANDLERS, op, raising=False)
+    # A table of handlers without the op's, put back whole after the test: the handler
+    # built from the planted lowering must not outlive it (deleting the op's entry only
+    # left that handler in place when the op had none before).
+    handlers = dict(core._HANDLERS)
+    handlers.pop(op, None)
+    monkeypatch.setattr(core, "_HANDLERS", handlers)
     plans._PLANS.clear()  # (a cache: emptying it changes nothing but speed)
 
 
@@ -210,7 +215,9 @@ def test_an_in_place_write_reuses_its_buffer_when_nothing_else_holds_it(mode):
 def test_single_op_programs_compile_with_the_op_compiler_options(monkeypatch):
     """config.op_compiler_options reach XLA for an op's program, placed or donating: an
     option XLA does not know fails the op's compile, which names it, and leaves the
-    tensor as it was."""
+    tensor as it was (compiled in the call: in the background, the error would raise
+    at the read, tests/test_background.py)."""
+    monkeypatch.setattr(torchtpu.config, "background_compiles", False)
     x = torch.ones(7, 13, device="tpu")
     monkeypatch.setattr(torchtpu.config, "op_compiler_options", {"no_such_option": 1})
     with pytest.raises(Exception, match="no_such_option"):
@@ -224,7 +231,8 @@ def test_single_ops_with_large_products_keep_xlas_default_effort(monkeypatch):
     """Note [Single ops with products compile at XLA's default effort]: a large matrix
     product's program is compiled without config.op_compiler_options (an option XLA
     does not know would fail its compile); a small product's and an elementwise op's
-    with them."""
+    with them (compiled in the call, where the error raises at once)."""
+    monkeypatch.setattr(torchtpu.config, "background_compiles", False)
     large, small = torch.randn(1025, 1024), torch.randn(1024, 3)  # 2**20 + 1024 elements
     monkeypatch.setattr(torchtpu.config, "op_compiler_options", {"no_such_option": 1})
     assert_same(tpu(large) @ tpu(small), large @ small, rtol=1e-4, atol=1e-4)

@@ -38,6 +38,23 @@ def test_a_decoding_loop_compiles_nothing_after_its_first_steps(mode):
     assert _compiles() <= 8
 
 
+def test_a_view_of_a_base_of_another_shape_is_a_program_of_its_own(mode, xla_compiles):
+    """Note [A view's base is in its key]: ``ids[:, -1:].view(1, 1, 1)`` of ids one
+    longer each step (Transformers' end-of-sequence check) has the same meta every step;
+    its program takes the base, so JAX compiled it anew for each length, unseen by
+    torchtpu's count (in Strict a cache hit). Now each base shape is a plan of its own,
+    and every compile XLA makes is counted."""
+    torch.tpu.synchronize()
+    torchtpu.reset_metrics()
+    xla_compiles[0] = 0
+    for n in range(7, 12):
+        cpu = torch.arange(n)[None]
+        ids = tpu(cpu)
+        assert_same(ids[:, -1:].view(1, 1, 1) == 9, cpu[:, -1:].view(1, 1, 1) == 9)
+    torch.tpu.synchronize()
+    assert xla_compiles[0] == _compiles()
+
+
 @pytest.mark.parametrize(
     "view",
     [

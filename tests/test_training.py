@@ -403,24 +403,6 @@ def test_optimizer_step_is_one_foreach_op_per_update():
     torch.testing.assert_close(total.cpu(), torch.tensor(6.0))
 
 
-@pytest.fixture
-def xla_compiles():
-    """How many programs XLA has compiled since the test began: JAX's own count, which
-    sees a compile that none of torchtpu's caches counted (a cached program called
-    with arguments JAX tells apart)."""
-    import jax.monitoring
-
-    count = [0]
-
-    def listener(event, seconds, **kwargs):
-        if event == "/jax/core/compile/backend_compile_duration":
-            count[0] += 1
-
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    yield count
-    jax.monitoring.unregister_event_duration_listener(listener)
-
-
 @pytest.mark.parametrize("how", ["strict", "debug", "defer", "torch.compile"])
 def test_a_repeated_adamw_step_stops_compiling(how, xla_compiles):
     """From the second step on, a step compiles nothing more, by JAX's count. The

@@ -75,6 +75,18 @@ op_compiler_options: dict = _env_json(
 )
 
 
+#: Strict compiles an op's program on a worker thread while Python goes on; the ops
+#: that need it (or its results) wait in a queue that runs once the program is ready,
+#: or when a value is read (Note [Strict compiles in the background] in
+#: dispatch/background.py). False: each op compiles in the calling thread before it
+#: returns, as Debug mode does.
+background_compiles: bool = _env_flag("TORCHTPU_BACKGROUND_COMPILES", True)
+
+#: How many XLA programs compile at once in the background; 0: one fewer than the
+#: host's cores, at most 4, at least 1. Read when the first compile starts.
+compile_threads: int = int(os.environ.get("TORCHTPU_COMPILE_THREADS", "0"))
+
+
 def _env_cache_dir() -> str | None:
     value = os.environ.get("TORCHTPU_COMPILE_CACHE_DIR")
     if value is not None:

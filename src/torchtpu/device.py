@@ -711,6 +711,11 @@ def load_runtime():
                     for value in list(vars(sys.modules.pop(name)).values()):
                         if isinstance(value, torch.library.Library):
                             _compat.destroy_library(value)
+                    # A package imported before keeps its submodule as an attribute,
+                    # which ``from package import submodule`` would take: gone too.
+                    parent, _, child = name.rpartition(".")
+                    if parent in before and getattr(sys.modules.get(parent), child, None):
+                        delattr(sys.modules[parent], child)
             raise
         _dispatch = dispatch
     return _dispatch

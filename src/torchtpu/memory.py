@@ -75,8 +75,16 @@ limits: dict[int, int] = {}
 CHECKED_FROM = 1 << 20
 
 
+# Called before memory is counted: Strict's ops queued while their programs compile
+# run first (dispatch/background.py), so that a tensor an op made is counted at once, as
+# torch's allocator counts it.
+before_stats: list = []
+
+
 def memory_stats(device=None) -> dict:
     """Statistics of a device's memory, with torch's key names where they apply."""
+    for hook in before_stats:
+        hook()
     index = _index(device)
     chip = devices()[index]
     current = sum(_bytes_on(a, chip) for a in jax().live_arrays() if not a.is_deleted())

@@ -54,7 +54,6 @@ Note [Compiling the backward while the forward compiles]
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import time
 from collections.abc import Callable
@@ -64,7 +63,7 @@ import numpy as np
 import torch
 
 from torchtpu import memory, rng, tracing
-from torchtpu.dispatch import checks, defer, modes
+from torchtpu.dispatch import background, checks, defer, modes
 from torchtpu.dispatch.values import materialize
 from torchtpu.observe import metrics, perf_warnings, progress
 from torchtpu.observe.locations import user_frame
@@ -254,7 +253,7 @@ class Program:
             lowered = self._jitted.lower(static, seed, offset, *specs)
         except Exception:
             return  # the call traces again, and raises where the user sees it
-        self._ahead[signature] = (self._last, _compiler().submit(lowered.compile))
+        self._ahead[signature] = (self._last, background.compiler().submit(lowered.compile))
 
     def record(self, static, arrays: list, device: int = 0):
         """DeferAndFuse: queue this call as one op of the next chunk (Note [Compiled
@@ -281,16 +280,6 @@ class Program:
 
 # Note [Compiling the backward while the forward compiles]
 _to_compile_ahead: list = []  # (Program, static, specs, device), started by the next call
-_compile_threads: concurrent.futures.ThreadPoolExecutor | None = None
-
-
-def _compiler() -> concurrent.futures.ThreadPoolExecutor:
-    global _compile_threads
-    if _compile_threads is None:
-        _compile_threads = concurrent.futures.ThreadPoolExecutor(
-            max_workers=2, thread_name_prefix="torchtpu-compile"
-        )
-    return _compile_threads
 
 
 def _start_compiles_ahead() -> None:

@@ -123,6 +123,18 @@ class Plan:
             call = self.placed_calls[index] = eager_program(self.fn, index, (), self.options)
         return call
 
+    def note_fast(self) -> None:
+        """Once its function was traced (its value checks are known): whether the plan
+        can take the inline path of `plans.lowered_handler`."""
+        self.fast = (
+            self.single is not None
+            and self.traced
+            and not self.random
+            and not self.check_infos
+            and not self.written_slots
+            and self.host_rule is None
+        )
+
 
 def eager_program(fn, device: int, donated: tuple = (), options: dict | None = None):
     """An op's function jitted to run eagerly on ``tpu:device``: its outputs committed
@@ -220,7 +232,7 @@ def build(op, lowering, info_: SchemaInfo, rules, values: list, call: Call) -> P
     plan.compiled = False
     plan.check_infos = []
     plan.mismatch = None
-    plan.fast = False  # set once traced (plans.py _note_fast)
+    plan.fast = False  # set once traced (note_fast)
     plan.on_cpu = None  # Note [Small ops of changing shapes run on the CPU]
     plan.names = names
     written: list[int] = []

@@ -57,6 +57,11 @@ class _Queue:
         self.home = home  # the recording thread's queues, by device
         # Note [An optimizer's new state is made apart]
         self.makes_state = type(home) is _StateQueues
+        # Note [Strict compiles in the background] (background.py): its ops run one by
+        # one, each its own program (``programs``), after the compiles it waits for.
+        self.op_by_op = type(home) is _BackgroundQueues
+        self.programs: list = []
+        self.compiles: list = []  # Futures of the compiles its ops wait for
         self.plans: list = []
         self.refs: list[tuple] = []  # per op: (0, external slot, 0) or (1, op, output)
         self.outputs: list[list] = []  # per op: weak references to its Pendings
@@ -84,6 +89,11 @@ class _StateQueues(dict):
     new state is made apart])."""
 
 
+class _BackgroundQueues(dict):
+    """A thread's queues of Strict ops waiting for their programs' compiles, by device
+    (Note [Strict compiles in the background], background.py)."""
+
+
 class _ThreadQueues(threading.local):
     """This thread's queues, by device (Note [A queue per thread and device])."""
 
@@ -91,6 +101,7 @@ class _ThreadQueues(threading.local):
         self.by_device: dict[int, _Queue] = {}
         # Note [An optimizer's new state is made apart]
         self.state_by_device: dict[int, _Queue] = _StateQueues()
+        self.background_by_device: dict[int, _Queue] = _BackgroundQueues()
         self.in_optimizer_step = False
         self.recording_backward = False  # Note [The backward starts a chunk]
         self.runs = 0  # chunks this thread has run
@@ -328,6 +339,10 @@ class _NodeError(Exception):
 
 _CHUNKS = metrics.LRUCache("chunk_cache", lambda: config.chunk_cache_size)
 
+# Runs a queue of Strict ops op by op: background.run, set when that module loads (it
+# imports this one).
+run_op_by_op = None
+
 # Called after each chunk has run and its values are handed out (the NaN finder,
 # nonfinite.py, reads its flags there: one host read per flush). Empty almost always.
 after_run: list = []
@@ -346,10 +361,14 @@ _NOTHING = contextlib.nullcontext()
 annotate_run = _no_annotation
 
 
-def flush(reason: str) -> None:
+def flush(reason: str, background: bool = False) -> None:
     """Run every op this thread queued: one chunk per device (and one of an optimizer's
-    new state, Note [An optimizer's new state is made apart])."""
-    for queues in (_threads.state_by_device, _threads.by_device):
+    new state, Note [An optimizer's new state is made apart]); with ``background``,
+    Strict's ops waiting for their compiles too (background.py)."""
+    every = (_threads.state_by_device, _threads.by_device)
+    if background:
+        every += (_threads.background_by_device,)
+    for queues in every:
         for q in list(queues.values()):
             if q.plans:
                 _flush(q, reason)
@@ -455,9 +474,13 @@ def _run_or_invalidate(q: _Queue, reason: str, needed=()) -> dict:
     every value of the queue not handed out yet holds the error: reading it raises,
     naming the failed op, and no tensor is left holding a value that will never come."""
     try:
+        if q.op_by_op:
+            run_op_by_op(q, reason)
+            return {}
         return _run(q, reason, needed)
     except BaseException as exc:
-        error = memory.out_of_memory(exc, f"a DeferAndFuse chunk of {len(q.plans)} ops", q.device)
+        what = "queued Strict ops" if q.op_by_op else "a DeferAndFuse chunk"
+        error = memory.out_of_memory(exc, f"{what} of {len(q.plans)} ops", q.device)
         _invalidate(q.outputs, error)
         if error is exc:
             raise
@@ -769,9 +792,8 @@ def _annotate(exc: Exception, q: _Queue) -> Exception:
         cause = exc.cause
         # (the line is kept only for ops with value checks: a stack walk per op costs)
         where = q.wheres[exc.position] or "a line Debug mode names"
-        cause.add_note(
-            f"torchtpu: raised by {q.plans[exc.position].op} recorded at {where} (DeferAndFuse)"
-        )
+        mode = "Strict, queued while its program compiled" if q.op_by_op else "DeferAndFuse"
+        cause.add_note(f"torchtpu: raised by {q.plans[exc.position].op} recorded at {where} ({mode})")
         return cause
     exc.add_note(f"torchtpu: raised while running a DeferAndFuse chunk of {len(q.plans)} ops")
     return exc

@@ -9,14 +9,16 @@ wrapped from metadata the plan computed once.
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 
+import numpy as np
 import torch
 
 from torchtpu import config, dtypes, memory, rng, tracing
 from torchtpu import matmul_precision as _precision
-from torchtpu.dispatch import checks, defer, host, modes, small_ops
+from torchtpu.dispatch import background, checks, defer, host, modes, small_ops
 from torchtpu.dispatch import meta as oracle
 from torchtpu.dispatch.builder import Plan, build, eager_program, flatten_result
 from torchtpu.dispatch.modes import EagerMode
@@ -114,7 +116,12 @@ def lowered_handler(entry: Entry):
             try:
                 if mode is _DEFER:
                     value = record(plan, call.arrays + call.scalars, plan.avals, None, 0)[0]
-                elif mode is _STRICT and plan.compiled and tracing._active is None:
+                elif (
+                    mode is _STRICT
+                    and plan.compiled
+                    and tracing._active is None
+                    and not background.queued  # Note [Strict compiles in the background]
+                ):
                     if plan.output_bytes >= large:
                         _wait_if_large(plan, call.arrays, 0)
                     scalars = call.scalars
@@ -137,13 +144,21 @@ def lowered_handler(entry: Entry):
             if result is not None:
                 return result
         try:
-            if mode is not _DEFER:
+            queued = None
+            if mode is _STRICT and tracing._active is None:
+                # Note [Strict compiles in the background] (background.py)
+                queued = _in_background(plan, call, device)
+            if queued is not None:
+                outputs, bases = queued
+            elif mode is not _DEFER:
+                if background.queued and any(type(a) is Pending for a in call.arrays):
+                    call = _resolved(op, op_rules, values, call)
                 outputs, bases = _execute(plan, call, device, mode is _DEBUG)
             elif plan.host_rule is None:
                 outputs, bases = _record(plan, call, device)
             else:  # run on the host now, from the queue's values (dispatch/host.py)
                 defer.flush("host op")
-                call = scan(op, op_rules, values)
+                call = _resolved(op, op_rules, values, call)
                 outputs, bases = _execute(plan, call, device, False)
         except Exception as exc:
             exc = memory.out_of_memory(_as_torch_error(exc, op, info, values), op, device or 0)
@@ -184,6 +199,58 @@ def _miss(entry: Entry, values, key, mode) -> Plan:
     return plan
 
 
+def _in_background(plan: Plan, call, device: int):
+    """Strict: queue this call if its program is not compiled yet (its compile starts
+    on a worker) or is compiling, or if an input is queued; returns its (outputs, written
+    bases) as `_record` does, or None to run it now (Note [Strict compiles in the
+    background], background.py)."""
+    waits = background.queued and any(type(a) is Pending for a in call.arrays)
+    if (
+        (plan.compiled and not background.queued)
+        or not config.background_compiles
+        or plan.host_rule is not None
+        or any(kind == "scalar" for kind, _ in plan.returns)  # read at once
+    ):
+        return None
+    args = call.arrays + call.scalars
+    # Note [Strict writes reuse their buffers]
+    donated = _dead_written(plan, args, background.inputs(device)) if plan.written_arrays else ()
+    if donated or device or plan.written_arrays:  # as _donating finds them
+        variants = plan.donating
+        program = variants.get((donated, device))
+        fresh = program is None or not plan.compiled
+        if program is None:
+            program = variants[donated, device] = (
+                eager_program(plan.fn, device, donated, plan.options)
+                if donated
+                else plan.placed(device)
+            )
+    else:
+        program, fresh = plan.call, not plan.compiled
+    compiling = background.is_compiling(program)
+    if not (waits or fresh or compiling):
+        return None
+    if plan.output_bytes >= memory.CHECKED_FROM and _allocates_much(plan, device, donated, args):
+        return None  # Note [Strict waits before a large allocation]: it runs now
+    if plan.random:
+        args.extend(rng.take(device))
+    where = None
+    if fresh and not compiling:
+        where = user_frame()
+        background.start_compile(program, args, device, str(plan.op), where)
+    if donated:
+        metrics.count("donated", "op", len(donated))
+    return _record(plan, call, device, args, where, program)
+
+
+def _resolved(op, op_rules, values, call):
+    """The call scanned again after the queues computing its Pending inputs ran."""
+    for a in call.arrays:
+        if type(a) is Pending:
+            defer.resolve(a, "value read")
+    return scan(op, op_rules, values)
+
+
 def _execute(plan: Plan, call, device: int, debug: bool):
     """Strict and Debug: call the plan's jitted function now (asynchronously)."""
     # Note [Numbers as arrays]; in a trace they are the program's constants, and on the
@@ -209,7 +276,7 @@ def _execute(plan: Plan, call, device: int, debug: bool):
             with progress.compiling(str(plan.op), where):
                 flat = _call(plan, args, device, donated)
             plan.compiled = True
-            _note_fast(plan)
+            plan.note_fast()
             seconds = time.perf_counter() - start
             perf_warnings.compiled("op", seconds, where, str(plan.op))
         elif host_run or device:
@@ -255,25 +322,24 @@ def _wait_if_large(plan: Plan, inputs: list, device: int, donated=(), args=()) -
         the logits' casts, the loss's backward) and peaks at 8.3 GiB, its step 159.8
         against 153.5 ms without them (4%); waiting for every op cost 7% of the step and
         peaked at 8.7 GiB."""
-    fraction = config.strict_wait_fraction
-    new_bytes = plan.output_bytes - sum(args[i].nbytes for i in donated)
-    if fraction and new_bytes >= fraction * memory.capacity(device or 0):
+    if _allocates_much(plan, device, donated, args):
         metrics.count("strict_waits", str(plan.op))
         array = array_type()
         jax().block_until_ready([a for a in inputs if type(a) is array])
 
 
-def _note_fast(plan: Plan) -> None:
-    """Once its function was traced (its value checks are known): whether the plan
-    can take the inline path of `lowered_handler`."""
-    plan.fast = (
-        plan.single is not None
-        and plan.traced
-        and not plan.random
-        and not plan.check_infos
-        and not plan.written_slots
-        and plan.host_rule is None
-    )
+def _allocates_much(plan: Plan, device: int, donated: tuple, args: list) -> bool:
+    """Whether ``plan``'s new outputs (less the buffers it is ``donated``) take
+    ``config.strict_wait_fraction`` of the device's memory or more."""
+    fraction = config.strict_wait_fraction
+    new_bytes = plan.output_bytes - sum(_nbytes(args[i]) for i in donated)
+    return bool(fraction) and new_bytes >= fraction * memory.capacity(device or 0)
+
+
+def _nbytes(a) -> int:
+    if type(a) is Pending:
+        return math.prod(a.shape) * np.dtype(a.dtype).itemsize
+    return a.nbytes
 
 
 def _call(plan: Plan, args, device: int, donated: tuple = ()):
@@ -290,9 +356,10 @@ def _call(plan: Plan, args, device: int, donated: tuple = ()):
 _HELD_ONLY_BY_ITS_STORAGE = 5
 
 
-def _dead_written(plan: Plan, args: list) -> tuple:
+def _dead_written(plan: Plan, args: list, queued: dict | None = None) -> tuple:
     """The positions in ``args`` of the arrays this in-place call replaces and nobody
-    else holds: dead once it runs.
+    else holds: dead once it runs. ``queued``: the inputs (by id) of the queue the call
+    joins, which holds them too and runs its ops in order (background.py).
 
     Note [Strict writes reuse their buffers]
         An in-place op (``add_``, an optimizer's ``_foreach_*_`` update, ``copy_`` or an
@@ -312,7 +379,12 @@ def _dead_written(plan: Plan, args: list) -> tuple:
     for position in plan.written_arrays:
         if position is not None:
             a = args[position]
-            if type(a) is array and sys.getrefcount(a) <= _HELD_ONLY_BY_ITS_STORAGE:
+            # (a Pending: a queued value, donated when its op runs: background.py)
+            kind = type(a)
+            if kind is not array and kind is not Pending:
+                continue
+            held = _HELD_ONLY_BY_ITS_STORAGE + (queued is not None and id(a) in queued)
+            if sys.getrefcount(a) <= held:
                 dead.append(position)
     return tuple(dead)
 
@@ -338,11 +410,14 @@ def _donating(plan: Plan, donated: tuple, args: list, device: int):
     return call(*args)
 
 
-def _record(plan: Plan, call, device: int):
-    """DeferAndFuse: queue the call; its results are Pending values (defer.py)."""
-    args = call.arrays + call.scalars
-    if plan.random:
-        args.extend(rng.take(device))
+def _record(plan: Plan, call, device: int, args=None, where=None, program=None):
+    """DeferAndFuse: queue the call; its results are Pending values (defer.py). With
+    ``program``, Strict's queue of ops waiting for compiles instead (background.py),
+    ``args`` taken already."""
+    if args is None:
+        args = call.arrays + call.scalars
+        if plan.random:
+            args.extend(rng.take(device))
     if not plan.traced:
         # Trace it now, abstractly (once per plan): a lowering's error about this call
         # then surfaces at the op, as in Strict, not at a later flush.
@@ -350,9 +425,10 @@ def _record(plan: Plan, call, device: int):
             jax().ShapeDtypeStruct(a.shape, a.dtype) if hasattr(a, "shape") else a for a in args
         ]
         jax().eval_shape(plan.fn, *abstract)
-        _note_fast(plan)
+        plan.note_fast()
     # The user's line costs a stack walk: only kept where an error may need it.
-    where = user_frame() if plan.check_infos else None
+    if where is None and plan.check_infos:
+        where = user_frame()
     n_out = len(plan.outputs)
     avals = plan.avals
     if plan.writes_views:
@@ -362,7 +438,10 @@ def _record(plan: Plan, call, device: int):
         avals = avals[:n_out] + [
             (storages[s].shape, dtypes.to_jax(storages[s].dtype)) for s in plan.written_slots
         ]
-    pending = defer.record(plan, args, avals, where, device)
+    if program is None:
+        pending = defer.record(plan, args, avals, where, device)
+    else:
+        pending = background.record(plan, program, args, avals, where, device)
     if plan.written_slots:
         return pending[:n_out], pending[n_out:]
     return pending, ()

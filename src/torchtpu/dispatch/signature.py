@@ -78,6 +78,7 @@ def scan(op, rules: Rules, values) -> Call:
     call.device = None
     kinds, defaults = rules.kinds, rules.defaults
     views = None  # the arguments that are views: Note [Positions are inputs]
+    listed_bases = None  # the bases' shapes of views in lists: Note [A view's base is in its key]
     for i, value in enumerate(values):
         kind = kinds[i]
         if kind is TENSOR:
@@ -112,17 +113,37 @@ def scan(op, rules: Rules, values) -> Call:
             if value is None:
                 key.append(None)
             else:
-                key.append(_list_key(op, call, storages, arrays, scalars, value))
+                listed_bases = listed_bases if listed_bases is not None else []
+                key.append(_list_key(op, call, storages, arrays, scalars, value, listed_bases))
         elif value is None:  # SCALAR_LIST
             key.append(None)
         else:
             scalars.extend(value)
             key.append(("sl",) + tuple(type(v) for v in value))
     if views is not None:
+        bases = [values[i]._storage.shape for i in views]
         _positions_as_inputs(key, scalars, kinds, values, views)
+        key.append((_BASES, *bases, *(listed_bases or ())))
+    elif listed_bases:
+        key.append((_BASES, *listed_bases))
     call.key = tuple(key)
     call.arrays, call.scalars, call.storages = arrays, scalars, storages
     return call
+
+
+# Note [A view's base is in its key]
+#     A view's ``_meta`` (its shape, strides, offset and chain) does not fix the shape of
+#     the storage it reads: ``ids[:, -1:]`` of ids one longer each step has the same meta
+#     every step once its position is an input (Note [Positions are inputs]), and so
+#     does ``x[:, :4]`` of a base that grows. The plan's program takes the base array,
+#     so ``jax.jit`` compiled it again for every new base shape -- unseen: a hit in the
+#     op cache, no compile counted, no warning (a static-cache ``generate()`` compiled a
+#     program a token this way in Strict, and a DeferAndFuse chunk a token). So the
+#     shapes of the bases of a call's views (of initialised storages, outside a trace)
+#     end its key, after the arguments: a new base shape is a new plan, counted, and
+#     the small-ops rule (small_ops.py) sees it. The builder and the meta oracle read
+#     the key argument by argument and never reach it.
+_BASES = "bases of views"
 
 
 # Note [Positions are inputs]
@@ -179,7 +200,7 @@ def _new_storage(op, call, storages, arrays, key, s, meta) -> None:
     key.append(meta)
 
 
-def _list_key(op, call, storages, arrays, scalars, tensors) -> tuple:
+def _list_key(op, call, storages, arrays, scalars, tensors, bases: list) -> tuple:
     """The key of a tensor list. Its storages are found by a dict, not the scan a
     single tensor's takes: a ``_foreach_*`` op over a model's parameters has hundreds,
     and the scan made recording one quadratic (a 12-layer GPT's AdamW step: a fifth of
@@ -193,6 +214,8 @@ def _list_key(op, call, storages, arrays, scalars, tensors) -> tuple:
             if slot is None:
                 slot_of[id(s)] = len(storages)
                 _new_storage(op, call, storages, arrays, parts, s, t._meta)
+                if t._chain and s.array is not None and tracing._active is None:
+                    bases.append(s.shape)  # Note [A view's base is in its key]
             else:
                 parts.append((slot, t._meta))
         else:
@@ -281,6 +304,8 @@ def describe_change(names, old: tuple, new: tuple) -> str:
     """What differs between two plan keys of one op, in the user's terms."""
     (_, old_args, old_dtype, old_precision) = old
     (_, new_args, new_dtype, new_precision) = new
+    old_args, old_bases = _without_bases(old_args)
+    new_args, new_bases = _without_bases(new_args)
     for name, a, b in zip(names, old_args, new_args):
         if a != b:
             before, after = _describe(a), _describe(b)
@@ -289,11 +314,22 @@ def describe_change(names, old: tuple, new: tuple) -> str:
             return f"argument `{name}`: {before} -> {after}"
     if len(old_args) != len(new_args):
         return "which arguments were passed"
+    if old_bases != new_bases:
+        shapes = [list(shape) for shape in new_bases[1:]] if new_bases else []
+        return f"the shape of the tensor a view argument was taken from (now {shapes})"
     if old_dtype != new_dtype:
         return f"the default dtype: {old_dtype} -> {new_dtype}"
     if old_precision != new_precision:
         return f"the matmul precision: {old_precision} -> {new_precision}"
     return "a signature seen before (it was dropped from the full op cache)"
+
+
+def _without_bases(args: tuple) -> tuple:
+    """A key's arguments, and the shapes of its views' bases, if any (Note [A view's
+    base is in its key])."""
+    if args and type(args[-1]) is tuple and args[-1][:1] == (_BASES,):
+        return args[:-1], args[-1]
+    return args, None
 
 
 def _describe(part) -> str:

@@ -14,6 +14,6 @@ def sync() -> None:
 
     from torchtpu.dispatch import checks, defer
 
-    defer.flush("sync")
+    defer.flush("sync", background=True)
     checks.raise_pending()
     jax.block_until_ready(jax.live_arrays())

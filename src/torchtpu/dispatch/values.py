@@ -146,7 +146,9 @@ def _reader(t: TPUTensor, zeros_on):
     uninitialised = zeros_on is not None
     meta, positions = view_chains.meta_without_positions(t._meta) or (t._meta, ())
     chain = meta[4]
-    key = (meta, (s.shape, s.dtype, zeros_on) if uninitialised else None)
+    # (the base's shape: a view's meta does not fix it, Note [A view's base is in its
+    # key] in signature.py)
+    key = (meta, s.shape, (s.dtype, zeros_on) if uninitialised else None)
     reader = _READERS.lookup(key)
     if reader is None:
         if uninitialised:

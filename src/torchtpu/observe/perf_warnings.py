@@ -136,15 +136,23 @@ def note_compile(kind: str, where: str, key, describe_change) -> None:
     entry[3] = key
 
 
-def compiled(kind: str, seconds: float, where: str, what: str) -> None:
-    """An XLA program of ``kind`` ("op", "graph") compiled in ``seconds`` for user line
-    ``where``: its counters and the line's budget."""
+def compile_started(kind: str, where: str) -> None:
+    """A compile of ``kind`` for user line ``where`` began on a worker thread
+    (dispatch/background.py): counted now, its seconds when it is done (`compiled`)."""
     metrics.count("compiles", kind)
+    metrics.count("compiles_by_line", where)
+
+
+def compiled(kind: str, seconds: float, where: str, what: str, started: bool = False) -> None:
+    """An XLA program of ``kind`` ("op", "graph") compiled in ``seconds`` for user line
+    ``where``: its counters (unless `compile_started` counted it) and the line's budget."""
+    if not started:
+        metrics.count("compiles", kind)
     metrics.count("compile_seconds", kind, seconds)
-    note_compile_time(where, seconds, what)
+    note_compile_time(where, seconds, what, counted=started)
 
 
-def note_compile_time(where: str, seconds: float, what: str) -> None:
+def note_compile_time(where: str, seconds: float, what: str, counted: bool = False) -> None:
     """Note [A compile budget]
         Called after each XLA program compiled for user line ``where`` (an op's, a
         DeferAndFuse chunk's, a compiled graph's or step's: ``what``) with its seconds.
@@ -156,7 +164,8 @@ def note_compile_time(where: str, seconds: float, what: str) -> None:
         its last recompiles; with ``config.compile_budget_action = "error"`` it raises
         TPUCompileBudgetError instead, so that a CI run fails where a change made a
         line compile more than it should."""
-    metrics.count("compiles_by_line", where)  # and their seconds: progress.py
+    if not counted:
+        metrics.count("compiles_by_line", where)  # and their seconds: progress.py
     programs, limit = config.compile_budget_programs, config.compile_budget_seconds
     if not (programs or limit):
         return

@@ -13,13 +13,15 @@ value is read::
 
 A compile releases the GIL, so a watcher thread can speak while one long compile runs;
 the compiling thread speaks too, after each compile, so a burst of short ones is
-reported without waiting for the watcher. ``config.compile_progress = False`` turns it
-off.
+reported without waiting for the watcher. Strict's compiles run on worker threads, several
+at once (dispatch/background.py): a burst's seconds are the wall time during which any
+compile ran. ``config.compile_progress = False`` turns it off.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import sys
 import threading
 import time
@@ -31,13 +33,20 @@ _EVERY = 10.0  # seconds between two lines of one burst
 _POLL = 0.25  # how often the watcher looks
 
 _lock = threading.Lock()
+_KEYS = itertools.count()
 # The burst under way: None, or a dict (see _start_burst).
 _burst: dict | None = None
 _watcher: threading.Thread | None = None
 
 
 def _start_burst(where: str) -> dict:
-    return {"where": where, "programs": 0, "seconds": 0.0, "shown_at": None, "current": None}
+    # "seconds": wall time during which at least one compile ran (compiles on the
+    # background workers overlap: background.py), up to "busy_since", when the running
+    # ones began; "running": what each compile under way compiles, by its token.
+    return {
+        "where": where, "programs": 0, "seconds": 0.0, "busy_since": None, "running": {},
+        "shown_at": None,
+    }  # fmt: skip
 
 
 @contextlib.contextmanager
@@ -45,35 +54,47 @@ def compiling(what: str, where: str):
     """Around one compile of ``what`` (an op, "a DeferAndFuse chunk", ...) from ``where``:
     its seconds counted by user line (``torchtpu.metrics()["compile_seconds_by_line"]``),
     and the progress line shown while a burst of compiles runs long."""
-    start = time.perf_counter()
+    token = started(what, where)
     try:
-        with _shown(what, where):
-            yield
+        yield
     finally:
-        metrics.count("compile_seconds_by_line", where or "<unknown>", time.perf_counter() - start)
+        seconds = finished(token)
+        metrics.count("compile_seconds_by_line", where or "<unknown>", seconds)
 
 
-@contextlib.contextmanager
-def _shown(what: str, where: str):
+def started(what: str, where: str) -> tuple:
+    """A compile of ``what`` from ``where`` began: returns the token to give `finished`,
+    from any thread, when it ends."""
     global _burst
-    if not config.compile_progress:
-        yield
-        return
-    _ensure_watcher()
-    with _lock:
-        if _burst is None:
-            _burst = _start_burst(where)
-        _burst["current"] = (what, time.perf_counter())
-    try:
-        yield
-    finally:
-        with _lock:
+    burst, key = None, next(_KEYS)
+    if config.compile_progress:
+        with _lock:  # (the compiling threads start it too: background.py)
+            _ensure_watcher()
+            if _burst is None:
+                _burst = _start_burst(where)
             burst = _burst
-            if burst is not None and burst["current"] is not None:
-                burst["seconds"] += time.perf_counter() - burst["current"][1]
+            if not burst["running"]:
+                burst["busy_since"] = time.perf_counter()
+            burst["running"][key] = what
+    return burst, key, what, where, time.perf_counter()
+
+
+def finished(token) -> float:
+    """The compile ``token`` names (from `started`) ended: returns its seconds. Any
+    thread may call it (a background compile's worker: dispatch/background.py); it
+    counts nothing in ``metrics()``, which the calling thread does."""
+    burst, key, what, _, start = token
+    now = time.perf_counter()
+    if burst is not None:
+        with _lock:
+            if burst["running"].pop(key, None) is not None:
                 burst["programs"] += 1
-                burst["current"] = None
-                _maybe_show(burst, what)
+                if not burst["running"]:
+                    burst["seconds"] += now - burst["busy_since"]
+                    burst["busy_since"] = None
+                if burst is _burst:
+                    _maybe_show(burst, what)
+    return now - start
 
 
 def note_read() -> None:
@@ -94,11 +115,11 @@ def note_read() -> None:
 def _maybe_show(burst: dict, what: str) -> None:
     """Under the lock: one line if the burst has compiled long enough and the last
     line is old enough."""
-    running = burst["current"]
-    seconds = burst["seconds"] + (time.perf_counter() - running[1] if running else 0.0)
+    now = time.perf_counter()
+    since = burst["busy_since"]
+    seconds = burst["seconds"] + (now - since if since is not None else 0.0)
     if seconds < config.compile_progress_after:
         return
-    now = time.perf_counter()
     if burst["shown_at"] is not None and now - burst["shown_at"] < _EVERY:
         return
     burst["shown_at"] = now
@@ -124,5 +145,5 @@ def _watch() -> None:
         time.sleep(_POLL)
         with _lock:
             burst = _burst
-            if burst is not None and burst["current"] is not None:
-                _maybe_show(burst, burst["current"][0])
+            if burst is not None and burst["running"]:
+                _maybe_show(burst, next(reversed(burst["running"].values())))
