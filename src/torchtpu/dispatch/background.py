@@ -205,7 +205,7 @@ def _wait(plan, program, future, where: str | None) -> None:
     try:
         _, seconds = future.result()
     finally:
-        del _compiling[id(program)]  # a failed compile is tried again in the call
+        del _compiling[id(program)]  # (a failed compile starts again at the op's next call)
     plan.compiled = True
     plan.note_fast()
     metrics.count("compile_seconds_by_line", where, seconds)
