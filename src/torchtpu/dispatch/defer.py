@@ -361,14 +361,10 @@ _NOTHING = contextlib.nullcontext()
 annotate_run = _no_annotation
 
 
-def flush(reason: str, background: bool = False) -> None:
+def flush(reason: str) -> None:
     """Run every op this thread queued: one chunk per device (and one of an optimizer's
-    new state, Note [An optimizer's new state is made apart]); with ``background``,
-    Strict's ops waiting for their compiles too (background.py)."""
-    every = (_threads.state_by_device, _threads.by_device)
-    if background:
-        every += (_threads.background_by_device,)
-    for queues in every:
+    new state, Note [An optimizer's new state is made apart])."""
+    for queues in (_threads.state_by_device, _threads.by_device):
         for q in list(queues.values()):
             if q.plans:
                 _flush(q, reason)

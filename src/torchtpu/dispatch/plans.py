@@ -145,7 +145,11 @@ def lowered_handler(entry: Entry):
                 return result
         try:
             queued = None
-            if mode is _STRICT and tracing._active is None:
+            if (
+                mode is _STRICT
+                and (background.queued or not plan.compiled)
+                and tracing._active is None
+            ):
                 # Note [Strict compiles in the background] (background.py)
                 queued = _in_background(plan, call, device)
             if queued is not None:
@@ -200,14 +204,14 @@ def _miss(entry: Entry, values, key, mode) -> Plan:
 
 
 def _in_background(plan: Plan, call, device: int):
-    """Strict: queue this call if its program is not compiled yet (its compile starts
-    on a worker) or is compiling, or if an input is queued; returns its (outputs, written
+    """Strict, for a plan not compiled yet or while ops are queued: queue this call if
+    its program is not compiled yet (its compile starts on a worker) or is compiling, or
+    if an input is queued; returns its (outputs, written
     bases) as `_record` does, or None to run it now (Note [Strict compiles in the
     background], background.py)."""
     waits = background.queued and any(type(a) is Pending for a in call.arrays)
     if (
-        (plan.compiled and not background.queued)
-        or not config.background_compiles
+        not config.background_compiles
         or plan.host_rule is not None
         or any(kind == "scalar" for kind, _ in plan.returns)  # read at once
     ):

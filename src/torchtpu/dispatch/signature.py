@@ -78,7 +78,7 @@ def scan(op, rules: Rules, values) -> Call:
     call.device = None
     kinds, defaults = rules.kinds, rules.defaults
     views = None  # the arguments that are views: Note [Positions are inputs]
-    listed_bases = None  # the bases' shapes of views in lists: Note [A view's base is in its key]
+    listed = None  # the bases' shapes of views in lists: Note [A view's base is in its key]
     for i, value in enumerate(values):
         kind = kinds[i]
         if kind is TENSOR:
@@ -113,19 +113,18 @@ def scan(op, rules: Rules, values) -> Call:
             if value is None:
                 key.append(None)
             else:
-                listed_bases = listed_bases if listed_bases is not None else []
-                key.append(_list_key(op, call, storages, arrays, scalars, value, listed_bases))
+                listed = [] if listed is None else listed
+                key.append(_list_key(op, call, storages, arrays, scalars, value, listed))
         elif value is None:  # SCALAR_LIST
             key.append(None)
         else:
             scalars.extend(value)
             key.append(("sl",) + tuple(type(v) for v in value))
     if views is not None:
-        bases = [values[i]._storage.shape for i in views]
         _positions_as_inputs(key, scalars, kinds, values, views)
-        key.append((_BASES, *bases, *(listed_bases or ())))
-    elif listed_bases:
-        key.append((_BASES, *listed_bases))
+    if views is not None or listed:
+        bases = [values[i]._storage.shape for i in views or ()] + (listed or [])
+        key.append((_BASES, *bases))
     call.key = tuple(key)
     call.arrays, call.scalars, call.storages = arrays, scalars, storages
     return call

@@ -12,8 +12,9 @@ def sync() -> None:
         return
     import jax
 
-    from torchtpu.dispatch import checks, defer
+    from torchtpu.dispatch import background, checks, defer
 
-    defer.flush("sync", background=True)
+    defer.flush("sync")
+    background.run_queued("sync")  # Strict's ops waiting for their compiles
     checks.raise_pending()
     jax.block_until_ready(jax.live_arrays())

@@ -76,14 +76,14 @@ def started(what: str, where: str) -> tuple:
             if not burst["running"]:
                 burst["busy_since"] = time.perf_counter()
             burst["running"][key] = what
-    return burst, key, what, where, time.perf_counter()
+    return burst, key, what, time.perf_counter()
 
 
 def finished(token) -> float:
     """The compile ``token`` names (from `started`) ended: returns its seconds. Any
     thread may call it (a background compile's worker: dispatch/background.py); it
     counts nothing in ``metrics()``, which the calling thread does."""
-    burst, key, what, _, start = token
+    burst, key, what, start = token
     now = time.perf_counter()
     if burst is not None:
         with _lock:
