@@ -50,6 +50,7 @@ __all__ = [
     "TPUPerformanceWarning",
     "TPURecompileWarning",
     "TPUTensor",
+    "bounded",
     "config",
     "explain",
     "from_dlpack",
@@ -91,6 +92,18 @@ def jit(fn=None, *, static_argnums=()):
     from torchtpu.compile.jit import jit as _jit
 
     return _jit(fn, static_argnums=static_argnums)
+
+
+def bounded(size: int):
+    """``with torchtpu.bounded(size):`` states the size of the variable-size results in
+    the block -- ``nonzero`` and boolean indexing (rows), ``masked_select``, ``unique``
+    and ``unique_consecutive`` -- so that they run without waiting for values: inside a
+    DeferAndFuse chunk, a background compile or a `torchtpu.jit` program. The size is
+    checked on the device; a wrong one raises RuntimeError at the next read. See
+    Note [Sizes the user states], torchtpu/dispatch/bounded.py."""
+    from torchtpu.dispatch.bounded import bounded as _bounded
+
+    return _bounded(size)
 
 
 def mark_dynamic(tensor: torch.Tensor, dim, *, min: int | None = None, max: int | None = None):

@@ -290,11 +290,16 @@ _MASKED_PUTS = (aten.index_put.default, aten.index_put_.default, aten._index_put
 
 
 def _masked_put(func, args, kwargs):
-    """``x[mask] = v`` with one mask over the leading dims and a ``v`` of x's dtype that
-    broadcasts to each selected element (a scalar, mostly) as a ``where``: no nonzero,
-    whose size depends on values, so a compiled program can run it too (a
-    torch.compile graph keeps ``x[mask] = v`` as one index_put, its shape being
-    static). Anything else returns None, for the integer indices of the mask."""
+    """``x[mask] = v`` with one mask over the leading dims and a ``v`` of x's dtype, with
+    no nonzero, whose size depends on values, so that nothing waits for the mask's count
+    and a compiled program can run it too (a torch.compile graph keeps ``x[mask] = v``
+    as one index_put, its shape being static):
+    - a ``v`` that broadcasts to each selected element (a scalar, mostly): a ``where``;
+    - a ``v`` of one row per True element (``x[mask] = x[mask] * 2``, and the backward
+      of ``x[mask]``, which puts its gradient back so): the rows are scattered into the
+      masked positions in order (``masked_scatter``), and their count is checked
+      against the mask's on the device, raising at the next read as torch raises at once.
+    Anything else returns None, for the integer indices of the mask."""
     self, indices, values = args[0], args[1], args[2]
     accumulate = args[3] if len(args) > 3 else kwargs.get("accumulate", False)
     if len(indices) != 1 or indices[0] is None or indices[0].dtype not in _MASKS:
@@ -302,11 +307,24 @@ def _masked_put(func, args, kwargs):
     mask = indices[0]
     if mask.device != self.device or values.dtype != self.dtype:
         return None
-    if values.dim() > self.dim() - mask.dim():
+    rest = tuple(self.shape[mask.dim() :])
+    by_row = values.dim() == len(rest) + 1 and tuple(values.shape[1:]) == rest
+    if by_row and values.shape[0] == 1:  # one row broadcast to every selected one
+        values, by_row = values[0], False
+    if values.dim() > len(rest) and not by_row:
         return None
     _warn_if_uint8(mask)
     _check_mask_shape(self, mask, 0)
-    mask = mask.bool().reshape(tuple(mask.shape) + (1,) * (self.dim() - mask.dim()))
+    mask = mask.bool()
+    if by_row:
+        torch._assert_async(
+            mask.sum() == values.shape[0],
+            f"shape mismatch: value tensor of shape {list(values.shape)} cannot be broadcast "
+            f"to indexing result of shape [<the mask's count of True>, {', '.join(map(str, rest))}]",
+        )
+    mask = mask.reshape(tuple(mask.shape) + (1,) * len(rest))
+    if by_row:
+        values = torch.zeros_like(self).masked_scatter(mask, values)
     result = torch.where(mask, self + values if accumulate else values, self)
     return result if func is aten.index_put.default else self.copy_(result)
 

@@ -9,8 +9,10 @@ wrapped from metadata the plan computed once.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import sys
+import threading
 import time
 
 import numpy as np
@@ -18,7 +20,7 @@ import torch
 
 from torchtpu import config, dtypes, memory, rng, tracing
 from torchtpu import matmul_precision as _precision
-from torchtpu.dispatch import background, checks, defer, host, modes, small_ops
+from torchtpu.dispatch import background, bounded, checks, defer, host, modes, small_ops
 from torchtpu.dispatch import meta as oracle
 from torchtpu.dispatch.builder import Plan, build, eager_program, flatten_result
 from torchtpu.dispatch.modes import EagerMode
@@ -76,8 +78,12 @@ def lowered_handler(entry: Entry):
     large = memory.CHECKED_FROM  # outputs from this size may wait (_wait_if_large)
 
     if lowering.dynamic_shape:
+        at_size = bounded.AT_SIZE.get(op)
 
         def dynamic_handler(func, args, kwargs):
+            if at_size is not None and (size := bounded.stated()) is not None:
+                self, *rest = info.bind(args, kwargs)
+                return at_size(self, size, *rest)  # Note [Sizes the user states]
             ops_run[mode_value[modes._current or modes.current()]] += 1
             defer.flush("data-dependent shape")
             return _run_dynamic(entry, info.bind(args, kwargs))
@@ -508,12 +514,36 @@ def _factory_device(info: SchemaInfo, values) -> int:
     return current_index()
 
 
+@contextlib.contextmanager
+def _compiles_counted(op):
+    """JAX's compiles in this thread while the block runs, counted as torchtpu's
+    (``metrics()["compiles"]["dynamic shape"]``, seconds and budget by line): the jitted
+    pieces of an op of data-dependent shape compile per size outside the plans' caches,
+    unseen otherwise (XLA:TPU takes ~17 s to compile a sort on a v5e: ``unique``)."""
+    seconds, thread = [], threading.get_ident()
+
+    def listener(event, duration, **_):
+        if event == "/jax/core/compile/backend_compile_duration" and threading.get_ident() == thread:
+            seconds.append(duration)
+
+    monitoring = jax().monitoring
+    monitoring.register_event_duration_secs_listener(listener)
+    try:
+        yield
+    finally:
+        monitoring.unregister_event_duration_listener(listener)
+        where = user_frame() if seconds else ""
+        for duration in seconds:
+            perf_warnings.compiled("dynamic shape", duration, where, str(op))
+
+
 def _run_dynamic(entry: Entry, values: list):
     """An op whose output shape depends on values (``nonzero``): it runs op by op on
     concrete arrays, outside ``jax.jit``."""
     op, lowering, info = entry.op, entry.lowering, entry.info
     if tracing._active is not None:
-        tracing.refuse("its output shape depends on the input values", op)
+        known = " (where you know it, state it: torchtpu.bounded)" if op in bounded.AT_SIZE else ""
+        tracing.refuse(f"its output shape depends on the input values{known}", op)
     call = scan(op, entry.rules, values)
     jnp = jax().numpy
 
@@ -535,7 +565,8 @@ def _run_dynamic(entry: Entry, values: list):
         extra["precision"] = _precision.lax_precision(_precision.current())
     try:
         if rule is None:
-            result = lowering.fn(*args, **extra)
+            with _compiles_counted(op):
+                result = lowering.fn(*args, **extra)
         else:
             # The platform policy keeps this op off the device (runtime/policy.py): it
             # runs on the host; `wrap` moves results of device dtypes back.

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from torchtpu.ops.registry import aten, lowers
-from torchtpu.ops.util import canonical_dim, cast
+from torchtpu.ops.util import canonical_dim, cast, true_positions
 from torchtpu.ops.value_checks import error_if
 
 
@@ -316,9 +316,17 @@ def _count_nonzero(x):
     return jnp.count_nonzero(x)
 
 
+def nonzero_coordinates(x, size):
+    """The coordinates of ``x``'s first ``size`` nonzero elements, one row each, and
+    which rows hold one (the others are zeros)."""
+    positions, found = true_positions((x != 0).reshape(-1), size)
+    coordinates = jnp.stack(jnp.unravel_index(positions, x.shape), axis=1)
+    return coordinates.astype(jnp.int64), found
+
+
 @functools.partial(jax.jit, static_argnames=("size",))
 def _nonzero_sized(x, size):
-    return jnp.stack(jnp.nonzero(x, size=size), axis=1).astype(jnp.int64)
+    return nonzero_coordinates(x, size)[0]
 
 
 @lowers(aten.nonzero.default, dynamic_shape=True)
@@ -336,7 +344,7 @@ def _masked_select_count(self, mask):
 @functools.partial(jax.jit, static_argnames=("size",))
 def _masked_select_sized(self, mask, size):
     shape = jnp.broadcast_shapes(self.shape, mask.shape)
-    where = jnp.flatnonzero(jnp.broadcast_to(mask, shape), size=size)
+    where, _ = true_positions(jnp.broadcast_to(mask, shape).reshape(-1), size)
     return jnp.broadcast_to(self, shape).reshape(-1)[where]
 
 
@@ -438,7 +446,7 @@ def _unique_consecutive_count(self, axis):
 def _unique_consecutive_sized(self, axis, size):
     _, change = _consecutive_rows(self, axis)
     group = jnp.cumsum(change) - 1
-    starts = jnp.flatnonzero(change, size=size)
+    starts, _ = true_positions(change, size)
     if axis is None:
         values = self.reshape(-1)[starts]
         inverse = group.reshape(self.shape)
@@ -458,6 +466,90 @@ def unique_consecutive(self, return_inverse=False, return_counts=False, dim=None
         size = int(_unique_consecutive_count(self, axis=axis))
         result = _unique_consecutive_sized(self, axis=axis, size=size)
     return _only_asked(result, return_inverse, return_counts)
+
+
+# -- the same ops at a size the user states: Note [Sizes the user states] (dispatch/bounded.py)
+#
+# Static ops (the size is part of the call), so they run inside a DeferAndFuse chunk or a
+# traced program like any other; the size is checked on the device: a wrong one raises at
+# the next read (dispatch/checks.py), never a silently cut or padded result.
+_bounded = torch.library.Library("torchtpu_bounded", "DEF")
+_bounded.define("nonzero(Tensor self, int size) -> Tensor")
+_bounded.define("masked_select(Tensor self, Tensor mask, int size) -> Tensor")
+_bounded.define(
+    "unique(Tensor self, int size, int? dim, bool consecutive) -> (Tensor, Tensor, Tensor)"
+)
+nonzero_bounded = torch.ops.torchtpu_bounded.nonzero.default
+masked_select_bounded = torch.ops.torchtpu_bounded.masked_select.default
+unique_bounded = torch.ops.torchtpu_bounded.unique.default
+
+
+@torch.library.register_fake("torchtpu_bounded::nonzero", lib=_bounded)
+def _nonzero_bounded_meta(self, size):
+    return self.new_empty((size, self.dim()), dtype=torch.int64)
+
+
+@torch.library.register_fake("torchtpu_bounded::masked_select", lib=_bounded)
+def _masked_select_bounded_meta(self, mask, size):
+    return self.new_empty((size,))
+
+
+@torch.library.register_fake("torchtpu_bounded::unique", lib=_bounded)
+def _unique_bounded_meta(self, size, dim, consecutive):
+    if dim is None:
+        values, inverse = self.new_empty((size,)), self.new_empty(self.shape, dtype=torch.int64)
+    else:
+        values = self.new_empty(self.shape[:dim] + (size,) + self.shape[dim + 1 :])
+        inverse = self.new_empty((self.shape[dim],), dtype=torch.int64)
+    return values, inverse, self.new_empty((size,), dtype=torch.int64)
+
+
+def _check_stated(op: str, count, size: int) -> None:
+    error_if(
+        count != size,
+        RuntimeError,
+        f"{op}: torchtpu.bounded({size}) stated the size of its result, but its input's "
+        f"values give a result of another size",
+    )
+
+
+@lowers(nonzero_bounded, static=("size",))
+def nonzero_at_size(self, size):
+    if self.ndim == 0:
+        _check_stated("nonzero", (self != 0).astype(jnp.int32), size)
+        return jnp.zeros((size, 0), jnp.int64)
+    _check_stated("nonzero", jnp.count_nonzero(self), size)
+    return _nonzero_sized(self, size=size)
+
+
+@lowers(masked_select_bounded, static=("size",))
+def masked_select_at_size(self, mask, size):
+    _check_stated("masked_select", _masked_select_count(self, mask), size)
+    return _masked_select_sized(self, mask, size=size)
+
+
+@lowers(unique_bounded, static=("size", "dim", "consecutive"))
+def unique_at_size(self, size, dim, consecutive):
+    name = "unique_consecutive" if consecutive else "unique"
+    axis = None if dim is None else canonical_dim(dim, self.ndim)
+    if self.size == 0:
+        _check_stated(name, 0, size)  # a Python number: raises at once
+        return _unique(self, axis)
+    if consecutive:
+        _check_stated(name, _unique_consecutive_count(self, axis=axis), size)
+        return _unique_consecutive_sized(self, axis=axis, size=size)
+    count, holds_nan = _unique_count(self, axis=axis)
+    _check_stated(name, count, size)
+    if axis is not None and jnp.issubdtype(self.dtype, jnp.inexact):
+        # Where rows holding NaN land, only torch's CPU sort decides (_unique_rows_holding_nan),
+        # which a program cannot call.
+        error_if(
+            holds_nan,
+            NotImplementedError,
+            f"{name}: torchtpu.bounded does not take unique(dim=...) of rows holding NaN; "
+            "leave it outside the bounded block",
+        )
+    return _unique_sized(self, axis=axis, size=size)
 
 
 @functools.partial(jax.jit, static_argnames=("size",))

@@ -12,6 +12,7 @@ from jax import lax
 
 from torchtpu import dtypes
 from torchtpu.ops import unsupported
+from torchtpu.ops.indexing import nonzero_coordinates
 from torchtpu.ops.registry import aten, lowers
 from torchtpu.ops.util import canonical_dim, cast, flat_draw, opmath_dtype
 from torchtpu.ops.value_checks import error_if
@@ -192,7 +193,8 @@ def nonzero_static(self, size, fill_value=-1):
         return jnp.zeros((size, 0), jnp.int64)
     if self.size == 0:
         return jnp.full((size, self.ndim), fill_value, jnp.int64)
-    return jnp.stack(jnp.nonzero(self, size=size, fill_value=fill_value), axis=1).astype(jnp.int64)
+    coordinates, found = nonzero_coordinates(self, size)
+    return jnp.where(found[:, None], coordinates, jnp.asarray(fill_value, jnp.int64))
 
 
 @lowers(aten.resize.default)

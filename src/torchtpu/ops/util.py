@@ -80,3 +80,19 @@ def flat_draw(sampler, key, shape, **kwargs):
     """``sampler(key, shape=shape, **kwargs)`` (a ``jax.random`` function), drawn flat
     (Note [Random draws are flat])."""
     return sampler(key, shape=(math.prod(shape),), **kwargs).reshape(shape)
+
+
+def true_positions(flat, size: int):
+    """``(positions, found)``: the indices of the first ``size`` True elements of the 1-D
+    bool array ``flat``, in order (0 in slots past the last one), and which slots hold
+    one -- ``jnp.flatnonzero(flat, size=size)``, computed as one scatter. XLA:TPU took
+    17-19 s to compile jnp.nonzero's form (a bincount, then a cumsum) for any size on a
+    v5e, and 0.3-0.7 s for this, which also ran faster (151 us against 725 us for 2,048 of
+    8,192). Positions are int32 where they fit: 64-bit scatters are emulated on a TPU."""
+    import jax.numpy as jnp
+
+    n = flat.shape[0]
+    index = jnp.int32 if n < 2**31 else jnp.int64
+    slot = jnp.where(flat, jnp.cumsum(flat, dtype=index) - 1, size)  # size: dropped
+    positions = jnp.zeros((size,), index).at[slot].set(jnp.arange(n, dtype=index), mode="drop")
+    return positions, jnp.arange(size) < jnp.sum(flat, dtype=index)
