@@ -193,7 +193,7 @@ def test_putting_rows_back_through_a_mask_waits_for_nothing(mode, accumulate, ro
     actual = xt.index_put_((mt,), tpu(values), accumulate=accumulate)
     assert actual is xt
     assert_same(actual, expected)
-    assert torchtpu.metrics().get("dynamic_shape", {}) == {}  # not even for xt[mt] * 2
+    assert torchtpu.metrics().get("dynamic_shape", {}) == {}
 
 
 def test_the_backward_of_a_selection_needs_no_count():
