@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import threading
 
+import numpy as np
 import pytest
 import torch
 
@@ -213,3 +214,11 @@ def test_putting_too_many_rows_raises_at_the_next_read():
         xt.cpu()
     with pytest.raises(RuntimeError, match="shape mismatch"):
         torch.randn(8, 4)[_routing_mask()] = torch.ones(17)  # as torch raises, at once
+
+
+def test_a_size_may_be_a_numpy_or_tensor_integer():
+    mask = tpu(_routing_mask())
+    for size in (np.int64(16), torch.tensor(16), _routing_mask().sum()):
+        with torchtpu.bounded(size):
+            assert mask.nonzero().shape == (16, 2)
+    assert "dynamic_shape" not in torchtpu.metrics()

@@ -21,6 +21,7 @@ Note [Sizes the user states]
 
 from __future__ import annotations
 
+import operator
 import threading
 
 import torch
@@ -45,9 +46,13 @@ class bounded:
     waiting for values. A wrong size raises RuntimeError at the next read."""
 
     def __init__(self, size: int):
-        if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+        try:  # an int, a numpy integer, an integer tensor of one element
+            count = None if isinstance(size, bool) else operator.index(size)
+        except TypeError:
+            count = None
+        if count is None or count < 0:
             raise ValueError(f"torchtpu.bounded: size must be an int >= 0, not {size!r}")
-        self.size = size
+        self.size = count
 
     def __enter__(self) -> bounded:
         self._outer = stated()
