@@ -18,6 +18,7 @@ import warnings
 
 from torchtpu.zoo import ARCHS, BY_NAME
 from torchtpu.zoo.check import MODES, Outcome, columns, not_applicable, run
+from torchtpu.zoo.libraries import keep_block
 
 _TITLES = {
     "forward": "forward",
@@ -85,6 +86,7 @@ def _write(out, results, outcomes, seconds) -> None:
     if not out:
         print(text)
         return
+    text = keep_block(out, text)  # the report of python -m torchtpu.zoo.libraries, if any
     with open(out, "w") as f:
         f.write(text)
     with open(results, "w") as f:
