@@ -222,3 +222,21 @@ def test_a_size_may_be_a_numpy_or_tensor_integer():
         with torchtpu.bounded(size):
             assert mask.nonzero().shape == (16, 2)
     assert "dynamic_shape" not in torchtpu.metrics()
+
+
+def test_the_compiles_of_an_unstated_size_are_counted():
+    """The jitted pieces of a data-dependent op compile per count outside the plans'
+    caches: counted as "dynamic shape" compiles, once per new count."""
+    x = tpu(torch.arange(12.0))
+
+    def compiles():
+        return torchtpu.metrics().get("compiles", {}).get("dynamic shape", 0)
+
+    x[x > 3].cpu()  # 8 elements
+    first = compiles()
+    assert first >= 1 and torchtpu.metrics()["compile_seconds"]["dynamic shape"] > 0
+    x[x > 4].cpu()  # 7: a new count
+    second = compiles()
+    assert second > first
+    x[x < 7].cpu()  # 7 again: nothing compiles
+    assert compiles() == second
